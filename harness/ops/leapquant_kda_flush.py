@@ -1,0 +1,360 @@
+"""LeapQuant window flush of Kimi Delta Attention's int8 + rank-R checkpoint (op_type `leapquant_kda_flush`).
+
+Everything specific to this operator: the four input families, the exact fp64 state, `decode_checkpoint` and the
+decoded-state criterion of OPERATOR.md. Shapes come from the workload's axes (batch_size, num_heads, value_dim,
+key_dim, window, rank), so the module serves any size of the definition family.
+
+The families are bit-reproducible on any machine and device, because workload blobs are checked against recorded
+sha256 hashes: every draw is a uniform fp64 from a seeded CPU generator (no normal sampler: its vectorised
+transcendentals differ between CPUs), later arithmetic is correctly rounded (+ - * / sqrt) with reductions summed in a
+fixed order, and the one transcendental, exp, is evaluated from those operations alone (`_exp`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.ops import Verdict
+
+QMAX = 127.0
+EPS = 1e-12
+RATIO_LIMIT = 1.01      # err_candidate <= RATIO_LIMIT * err_reference ...
+EXACT_HEAD = 1e-4       # ... where err_reference >= EXACT_HEAD * mean|S|; below it the format captures the head
+EXACT_CAP = 1e-3        # almost exactly, and the candidate's error is capped at EXACT_CAP * mean|S| instead
+
+FAMILIES = ("edge", "second_window", "random", "trajectory")
+EDGE_KINDS = ("generic", "rank1", "rank2", "zero", "tiny", "tinier", "huge", "hot_row", "decayed", "no_decay",
+              "split_decades")
+TRAJECTORY_WINDOWS = 4  # windows streamed through the flush before the one the workload holds
+CHECKPOINT = ("codes", "s_k", "s_v", "u", "q")
+WINDOW = ("kbuf", "ubuf", "gbuf", "w", "pcum")
+DTYPES = {"codes": torch.int8, "s_k": torch.float32, "s_v": torch.float32, "u": torch.float16, "q": torch.float16,
+          "kbuf": torch.bfloat16, "ubuf": torch.bfloat16, "gbuf": torch.float16, "w": torch.float32,
+          "pcum": torch.float32, "q0": torch.float32}
+
+
+# ----------------------------------------------------------------------------------------------- reproducible draws
+class _Draws:
+    """Seeded fp64 draws that give the same bits on every machine and torch version."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.device = device
+
+    def uniform(self, shape, lo=0.0, hi=1.0) -> torch.Tensor:
+        x = torch.rand(shape, generator=self.generator, dtype=torch.float64).to(self.device)
+        return x * (hi - lo) + lo
+
+    def normal(self, shape) -> torch.Tensor:
+        """Irwin-Hall approximation of N(0, 1): four uniforms, exact arithmetic only."""
+        s = self.uniform(shape) + self.uniform(shape) + self.uniform(shape) + self.uniform(shape)
+        return (s - 2.0) * math.sqrt(3.0)
+
+    def integers(self, shape, lo: int, hi: int) -> torch.Tensor:
+        """Uniform integers in [lo, hi] as fp64."""
+        return torch.floor(self.uniform(shape) * (hi - lo + 1)) + lo
+
+
+def _ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum along `dim` in index order: the same bits on every device, unlike torch's reductions."""
+    x = x.movedim(dim, 0)
+    acc = x[0].clone()
+    for i in range(1, x.shape[0]):
+        acc += x[i]
+    return acc
+
+
+def _ordered_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., m, n] @ b [..., n, p] with the n-sum in index order."""
+    a_cols = a.movedim(-1, 0).contiguous()     # contiguous slices: strided ones are several times slower
+    b_rows = b.movedim(-2, 0).contiguous()
+    acc = a_cols[0][..., :, None] * b_rows[0][..., None, :]
+    for i in range(1, a_cols.shape[0]):
+        acc += a_cols[i][..., :, None] * b_rows[i][..., None, :]
+    return acc
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp of an fp64 tensor from correctly rounded operations only, so every device gives the same bits (libm and
+    vectorised exps differ in the last bit): 2^n * exp(r), r = x - n ln2 with ln2 split in two (Cody-Waite) and a
+    degree-20 Taylor polynomial on |r| <= ln2 / 2."""
+    x = x.clamp(-800.0, 700.0)                      # exp(-800) underflows to 0 as it should
+    n = torch.round(x / math.log(2.0))
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = torch.ones_like(r)
+    for k in range(20, 0, -1):
+        p = p * (r / k) + 1.0
+    half = torch.floor(n / 2.0)                     # two factors keep each 2^m inside the normal exponent range
+    for m in (half, n - half):
+        p = p * ((m.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return p
+
+
+_LN2_HI = 0.693147180369123816490                  # ln2's leading 32 bits: n * _LN2_HI is exact
+_LN2_LO = 1.90821492927058770002e-10
+
+
+def _decay_history(gbuf: torch.Tensor) -> torch.Tensor:
+    """D_j = prod_{i > j} gbuf_i over the window axis (-2), multiplied from the end in a fixed order."""
+    d = torch.ones_like(gbuf)
+    for j in range(gbuf.shape[-2] - 2, -1, -1):
+        d[..., j, :] = d[..., j + 1, :] * gbuf[..., j + 1, :]
+    return d
+
+
+# ----------------------------------------------------------------------------------------------- the math in fp64
+def decode_checkpoint(codes, s_k, s_v, u, q) -> torch.Tensor:
+    """The state a checkpoint stands for, in fp64: q^T u + codes * s_k / 127 * s_v."""
+    low_rank = torch.einsum("...rv,...rk->...vk", q.double(), u.double())
+    return low_rank + codes.double() * (s_k.double() / QMAX)[..., None, :] * s_v.double()[..., :, None]
+
+
+def exact_state(inputs: dict) -> torch.Tensor:
+    """The state the flush must quantize, rebuilt in fp64 from the inputs."""
+    x = {k: inputs[k].double() for k in CHECKPOINT + WINDOW}
+    old = decode_checkpoint(*(x[k] for k in CHECKPOINT))
+    kd = x["kbuf"] * _decay_history(x["gbuf"])
+    window = torch.einsum("...j,...jv,...jk->...vk", x["w"], x["ubuf"], kd)
+    return old * torch.exp(x["pcum"])[..., None, :] + window
+
+
+def _mgs2(m: torch.Tensor) -> torch.Tensor:
+    """Modified Gram-Schmidt on the columns of m [..., n, R], projections applied twice (the reference's `_mgs`)."""
+    cols = []
+    for j in range(m.shape[-1]):
+        v = m[..., j]
+        for _ in range(2):
+            for c in cols:
+                v = v - c * _ordered_sum(c * v, -1)[..., None]
+        norm = torch.sqrt(_ordered_sum(v * v, -1)).clamp_min(1e-30)
+        cols.append(v / norm[..., None])
+    return torch.stack(cols, -1)
+
+
+def _flush_fp64(inputs: dict, q0: torch.Tensor) -> dict:
+    """The reference's flush evaluated in fp64 in a fixed order: the checkpoint feedback of the `second_window` and
+    `trajectory` families."""
+    x = {k: inputs[k].double() for k in CHECKPOINT + WINDOW}
+    low_rank = _ordered_matmul(x["q"].transpose(-1, -2), x["u"])
+    old = low_rank + x["codes"] * (x["s_k"] / QMAX)[..., None, :] * x["s_v"][..., :, None]
+    decay = _exp(x["pcum"])
+    kd = (x["kbuf"] * _decay_history(x["gbuf"])).transpose(-1, -2)          # [.., K, L]
+    uw = (x["ubuf"] * x["w"][..., None]).transpose(-1, -2)                  # [.., V, L]
+    s = old * decay[..., None, :] + _ordered_matmul(uw, kd.transpose(-1, -2))
+    st = s.transpose(-1, -2)
+    qk = _mgs2(_ordered_matmul(st, q0.double()))
+    qv = _mgs2(_ordered_matmul(s, qk))
+    uk = _ordered_matmul(st, qv)
+    u_new, q_new = uk.transpose(-1, -2).half(), qv.transpose(-1, -2).half()
+    e = s - _ordered_matmul(q_new.double().transpose(-1, -2), u_new.double())
+    s_k = torch.sqrt(_ordered_sum(e.abs(), -2) / s.shape[-2]).clamp_min(EPS)
+    s_v = (e.abs() / s_k[..., None, :]).amax(-1).clamp_min(EPS)
+    codes = torch.round(e / (s_k[..., None, :] * s_v[..., :, None]) * QMAX).clamp(-QMAX, QMAX)
+    return {"codes": codes.to(torch.int8), "s_k": s_k.float(), "s_v": s_v.float(), "u": u_new, "q": q_new}
+
+
+# ----------------------------------------------------------------------------------------------- input families
+def _dims(axes: dict) -> tuple[int, int, int, int, int, int]:
+    return (axes["batch_size"], axes["num_heads"], axes["value_dim"], axes["key_dim"], axes["window"], axes["rank"])
+
+
+def _random_checkpoint(d: _Draws, B, H, V, K, R) -> dict:
+    return {
+        "codes": d.integers((B, H, V, K), -127, 127),
+        "s_k": d.uniform((B, H, K), 0.05, 1.0),
+        "s_v": d.uniform((B, H, V), 0.05, 1.0),
+        "u": d.uniform((B, H, R, K), -2.0, 2.0),
+        "q": d.uniform((B, H, R, V), -1.0, 1.0),
+    }
+
+
+def _random_window(d: _Draws, B, H, V, K, L, pcum_min=-20.0) -> dict:
+    return {
+        "kbuf": d.uniform((B, H, L, K), -1.0, 1.0),
+        "ubuf": d.uniform((B, H, L, V), -1.0, 1.0),
+        "gbuf": 1.0 - d.uniform((B, H, L, K)) * (1.0 - 2.0 ** -10),     # (0, 1], never rounds to 0 in fp16
+        "w": d.uniform((B, H, L)),
+        "pcum": d.uniform((B, H, K), pcum_min, 0.0),
+    }
+
+
+def _cast(x: dict) -> dict:
+    """Round each tensor to its definition dtype (codes are integral already)."""
+    return {k: v.to(DTYPES[k]) for k, v in x.items()}
+
+
+def _q0(d: _Draws, V, R) -> torch.Tensor:
+    return d.uniform((V, R), -1.0, 1.0)
+
+
+def _edge_kinds(B, H, device) -> torch.Tensor:
+    """Kind index of every (sequence, head): each sequence holds every kind, shifted by its index."""
+    b = torch.arange(B, device=device)[:, None]
+    h = torch.arange(H, device=device)[None, :]
+    return (b + h) % len(EDGE_KINDS)
+
+
+def _where_kind(kinds, kind, t, value):
+    """t with `value` on the heads of `kind` (kinds [B, H] broadcast over t's trailing dims)."""
+    mask = (kinds == EDGE_KINDS.index(kind)).reshape(kinds.shape + (1,) * (t.dim() - 2))
+    return torch.where(mask, value, t)
+
+
+def _edge_checkpoint(x: dict, kinds) -> dict:
+    """Shape the checkpoint of each head to its kind (scales stay > 0, as in the domain)."""
+    x = dict(x)
+    K, R = x["s_k"].shape[-1], x["q"].shape[-2]
+    rank = torch.arange(R, device=kinds.device)[:, None]
+    half = torch.arange(K, device=kinds.device) >= K // 2
+    for kind, r in (("rank1", 1), ("rank2", 2)):
+        # q rows exact in bf16, so a window built from them (ubuf is bf16) stays inside their span
+        low = torch.where(rank < r, x["q"].to(torch.bfloat16).double(), 0.0)
+        x["q"] = _where_kind(kinds, kind, x["q"], low)
+        x["u"] = _where_kind(kinds, kind, x["u"], torch.where(rank < r, x["u"], 0.0))
+    for kind in ("rank1", "rank2", "zero"):
+        x["codes"] = _where_kind(kinds, kind, x["codes"], 0.0)
+    for name in ("u", "q"):
+        x[name] = _where_kind(kinds, "zero", x[name], 0.0)
+    for kind, f in (("tiny", 1e-4), ("tinier", 1e-7)):
+        x["s_v"] = _where_kind(kinds, kind, x["s_v"], x["s_v"] * f)
+        x["u"] = _where_kind(kinds, kind, x["u"], x["u"] * f)
+    x["s_v"] = _where_kind(kinds, "huge", x["s_v"], x["s_v"] * 5e3)
+    for name in ("u", "q"):
+        x[name] = _where_kind(kinds, "huge", x[name], x[name] * 40.0)
+    hot = torch.zeros_like(x["s_v"][0, 0], dtype=torch.bool)
+    hot[7] = True
+    x["s_v"] = _where_kind(kinds, "hot_row", x["s_v"], torch.where(hot, x["s_v"] * 1e3, x["s_v"]))
+    x["q"] = _where_kind(kinds, "hot_row", x["q"], torch.where(hot, x["q"] * 1e3, x["q"]))
+    x["s_k"] = _where_kind(kinds, "split_decades", x["s_k"], torch.where(half, x["s_k"] * 1e-6, x["s_k"]))
+    x["u"] = _where_kind(kinds, "split_decades", x["u"], torch.where(half, x["u"] * 1e-6, x["u"]))
+    return x
+
+
+def _edge_window(x: dict, q: torch.Tensor, kinds, deep_decay: torch.Tensor) -> dict:
+    """Shape the window of each head to its kind; rank-r heads append updates inside the span of q's first r rows."""
+    x = dict(x)
+    L, K = x["kbuf"].shape[-2:]
+    half = torch.arange(K, device=kinds.device) >= K // 2
+    for kind, r in (("rank1", 1), ("rank2", 2)):
+        rows = torch.arange(L, device=kinds.device) % r
+        x["ubuf"] = _where_kind(kinds, kind, x["ubuf"], q.double()[..., rows, :])
+    x["w"] = _where_kind(kinds, "zero", x["w"], 0.0)
+    x["ubuf"] = _where_kind(kinds, "zero", x["ubuf"], 0.0)
+    for kind, f in (("tiny", 1e-4), ("tinier", 1e-7)):
+        x["ubuf"] = _where_kind(kinds, kind, x["ubuf"], x["ubuf"] * f)
+    x["ubuf"] = _where_kind(kinds, "huge", x["ubuf"], x["ubuf"] * 30.0)
+    x["kbuf"] = _where_kind(kinds, "huge", x["kbuf"], x["kbuf"] * 10.0)
+    hot = torch.zeros(x["ubuf"].shape[-1], dtype=torch.bool, device=kinds.device)
+    hot[7] = True
+    x["ubuf"] = _where_kind(kinds, "hot_row", x["ubuf"], torch.where(hot, x["ubuf"] * 1e3, x["ubuf"]))
+    x["pcum"] = _where_kind(kinds, "decayed", x["pcum"], deep_decay)
+    x["gbuf"] = _where_kind(kinds, "no_decay", x["gbuf"], 1.0)
+    x["pcum"] = _where_kind(kinds, "no_decay", x["pcum"], 0.0)
+    x["kbuf"] = _where_kind(kinds, "split_decades", x["kbuf"], torch.where(half, x["kbuf"] * 1e-6, x["kbuf"]))
+    return x
+
+
+def _edge(d: _Draws, B, H, V, K, L, R) -> tuple[dict, dict, torch.Tensor]:
+    kinds = _edge_kinds(B, H, d.device)
+    checkpoint = _cast(_edge_checkpoint(_random_checkpoint(d, B, H, V, K, R), kinds))
+    window = _random_window(d, B, H, V, K, L)
+    window = _cast(_edge_window(window, checkpoint["q"], kinds, d.uniform((B, H, K), -1000.0, -200.0)))
+    return checkpoint, window, _q0(d, V, R)
+
+
+def _second_window(seed: int, d: _Draws, B, H, V, K, L, R) -> tuple[dict, dict, torch.Tensor]:
+    """The checkpoint flushed from the edge inputs of the same seed, with a fresh window of the edge kinds."""
+    checkpoint, window, q0 = _edge(_Draws(seed, d.device), B, H, V, K, L, R)
+    checkpoint = _flush_fp64({**checkpoint, **window}, q0)
+    kinds = _edge_kinds(B, H, d.device)
+    window = _random_window(d, B, H, V, K, L)
+    window = _cast(_edge_window(window, checkpoint["q"], kinds, d.uniform((B, H, K), -1000.0, -200.0)))
+    return checkpoint, window, q0
+
+
+def _kda_window(d: _Draws, B, H, V, K, L) -> dict:
+    """One window of a KDA-like stream: L2-normalised keys, values ~ N(0, 1/4), write strengths in [0.1, 0.9] and
+    per-channel log-gates (mostly slow, a few fast channels) on a 2^-16 grid, so pcum is their exact sum."""
+    k = d.normal((B, H, L, K))
+    k = k / torch.sqrt(_ordered_sum(k * k, -1))[..., None]
+    rate = d.uniform((B, H, 1, K))
+    rate = rate * rate * rate * 0.5
+    log_gate = torch.round(-rate * d.uniform((B, H, L, K), 0.5, 1.5) * 2.0 ** 16) / 2.0 ** 16
+    return {
+        "kbuf": k,
+        "ubuf": d.normal((B, H, L, V)) * 0.5,
+        "gbuf": _exp(log_gate),
+        "w": d.uniform((B, H, L), 0.1, 0.9),
+        "pcum": _ordered_sum(log_gate, -2),
+    }
+
+
+def _trajectory(d: _Draws, B, H, V, K, L, R) -> tuple[dict, dict, torch.Tensor]:
+    """Start from an empty checkpoint and stream TRAJECTORY_WINDOWS windows through the flush, feeding each
+    checkpoint back; the workload is the last checkpoint with one more window."""
+    q0 = _q0(d, V, R)
+    zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=d.device)  # noqa: E731
+    checkpoint = _cast({"codes": zeros(B, H, V, K), "s_k": zeros(B, H, K) + EPS, "s_v": zeros(B, H, V) + EPS,
+                        "u": zeros(B, H, R, K), "q": zeros(B, H, R, V)})
+    for _ in range(TRAJECTORY_WINDOWS):
+        checkpoint = _flush_fp64({**checkpoint, **_cast(_kda_window(d, B, H, V, K, L))}, q0)
+    return checkpoint, _cast(_kda_window(d, B, H, V, K, L)), q0
+
+
+def make_inputs(family: str, axes: dict, seed: int, device="cpu") -> dict[str, torch.Tensor]:
+    """The inputs of one workload: a pure function of (family, axes, seed) whose bits do not depend on `device`."""
+    B, H, V, K, L, R = _dims(axes)
+    d = _Draws(seed, torch.device(device))
+    if family == "random":
+        checkpoint = _cast(_random_checkpoint(d, B, H, V, K, R))
+        window, q0 = _cast(_random_window(d, B, H, V, K, L)), _q0(d, V, R)
+    elif family == "edge":
+        checkpoint, window, q0 = _edge(d, B, H, V, K, L, R)
+    elif family == "second_window":
+        checkpoint, window, q0 = _second_window(seed, _Draws(seed + 1, d.device), B, H, V, K, L, R)
+    elif family == "trajectory":
+        checkpoint, window, q0 = _trajectory(d, B, H, V, K, L, R)
+    else:
+        raise ValueError(f"unknown input family {family!r} (known: {', '.join(FAMILIES)})")
+    return {**checkpoint, **window, "q0": q0.to(DTYPES["q0"])}
+
+
+# ----------------------------------------------------------------------------------------------- the criterion
+def head_errors(outputs, state: torch.Tensor) -> torch.Tensor:
+    """Per-head mean |decode(checkpoint) - S| [B, H] for outputs (codes, s_k, s_v, u, q) in definition order."""
+    return (decode_checkpoint(*outputs) - state).abs().mean((-2, -1))
+
+
+def judge(inputs: dict, outputs, reference_outputs) -> Verdict:
+    """OPERATOR.md's criterion on the decoded state; outputs are in definition order, shapes and dtypes checked."""
+    names = ("codes_new", "s_k_new", "s_v_new", "u_new", "q_new")
+    for name, t in zip(names, outputs):
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            return Verdict(False, f"non-finite values in {name}", None, math.inf, math.inf)
+    if (outputs[0] < -QMAX).any() or (outputs[0] > QMAX).any():
+        return Verdict(False, f"code {int(outputs[0].min())} out of range [-127, 127] in codes_new", None,
+                       math.inf, math.inf)
+    state = exact_state(inputs)
+    scale = state.abs().mean((-2, -1))
+    err = head_errors(outputs, state)
+    err_ref = head_errors(reference_outputs, state)
+    judged = (err_ref >= EXACT_HEAD * scale) & (err_ref > 0)
+    ratio = torch.where(judged, err / torch.where(judged, err_ref, 1.0), 0.0)
+    cap_use = torch.where(judged, 0.0, err / (EXACT_CAP * scale).clamp_min(1e-300))
+    cap_use = torch.where(~judged & (err == 0), 0.0, cap_use)          # an all-zero head decoded exactly
+    worst = float(ratio.max()) if judged.any() else None
+    rel = torch.where(scale > 0, err / scale.clamp_min(1e-300), err)
+    extra = {"worst_head_ratio": worst, "exact_heads": int((~judged).sum()), "max_cap_use": float(cap_use.max()),
+             "mean_head_ratio": float(ratio[judged].mean()) if judged.any() else None}
+    verdict = Verdict(True, "", worst, float((decode_checkpoint(*outputs) - state).abs().max()),
+                      float(rel.max()), extra)
+    if worst is not None and worst > RATIO_LIMIT:
+        b, h = divmod(int(ratio.argmax()), ratio.shape[1])
+        verdict.passed, verdict.reason = False, f"worst-head ratio {worst:.4f} > {RATIO_LIMIT} at (batch {b}, head {h})"
+    elif float(cap_use.max()) > 1.0:
+        b, h = divmod(int(cap_use.argmax()), cap_use.shape[1])
+        verdict.passed = False
+        verdict.reason = (f"head (batch {b}, head {h}) error {float(err[b, h]):.3g} exceeds the cap "
+                          f"{EXACT_CAP:g} x mean|S| = {float(EXACT_CAP * scale[b, h]):.3g}")
+    return verdict

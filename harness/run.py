@@ -1,0 +1,100 @@
+"""python -m harness.run --solution NAME [--solution NAME2 ...] [--batch-sizes 1,64] [--families edge,random]
+[--device auto|cuda|cpu]: judge (and on a GPU time) solutions on the definition's workloads and print one table.
+Exits 1 when any workload is not PASSED, 2 on bad input (definition, solution, workload file or arguments)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from tabulate import tabulate
+
+from harness import HarnessError
+from harness.definition import find_definition
+from harness.runner import PASSED, Result, evaluate
+from harness.solutions import discover, load_solution
+from harness.workloads import load_workloads, select
+
+DEFAULT_DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
+CPU_BATCH_SIZES = (1, 2)
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return tuple(kind(x) for x in text.split(",") if x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
+    return parse
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m harness.run", description=__doc__.split(":")[0])
+    p.add_argument("--solution", action="append", dest="solutions", metavar="NAME",
+                   help="solution folder name under solutions/, or 'reference'; repeat for several "
+                        "(default: every solution of the definition)")
+    p.add_argument("--definition", default=DEFAULT_DEFINITION, help="definition name (default: %(default)s)")
+    p.add_argument("--batch-sizes", type=_csv(int), help="comma-separated (default: all; 1,2 on CPU)")
+    p.add_argument("--families", type=_csv(str), help="comma-separated input families (default: all)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per call before TIMEOUT (default: 300)")
+    return p.parse_args(argv)
+
+
+def resolve_device(choice: str) -> str:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+        if choice == "cpu":
+            print("no GPU found: running on CPU (Triton through the interpreter, batch sizes 1,2 by default, "
+                  "not timed)", flush=True)
+    elif choice == "cuda" and not torch.cuda.is_available():
+        raise HarnessError("--device cuda: torch sees no GPU")
+    return choice
+
+
+def table(results: list[Result]) -> str:
+    rows = []
+    for r in results:
+        v = r.verdict
+        rows.append([r.solution, r.workload.axes.get("batch_size"), r.workload.family, r.status,
+                     f"{v.worst_head_ratio:.4f}" if v and v.worst_head_ratio is not None else "-",
+                     f"{r.latency_ms * 1e3:.1f}" if r.latency_ms is not None else "-",
+                     r.log[:90]])
+    return tabulate(rows, headers=["solution", "B", "family", "status", "worst-head ratio", "latency us", "log"],
+                    disable_numparse=True)
+
+
+def _progress(total: int):
+    done = [0]
+
+    def report(r: Result) -> None:
+        done[0] += 1
+        ratio = r.verdict.worst_head_ratio if r.verdict else None
+        print(f"  [{r.solution} {done[0]}/{total}] {r.workload.label}: {r.status}"
+              + (f" ratio {ratio:.4f}" if ratio is not None else "") + (f" ({r.log})" if r.log else ""), flush=True)
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+        defn = find_definition(args.definition)
+        names = args.solutions or discover(defn)
+        solutions = [load_solution(n, defn) for n in names]
+        batch_sizes = args.batch_sizes or (CPU_BATCH_SIZES if device == "cpu" else None)
+        workloads = select(load_workloads(defn), batch_sizes, args.families)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{defn.name}: {len(solutions)} solution(s) x {len(workloads)} workload(s) on {device}", flush=True)
+    results: list[Result] = []
+    for sol in solutions:
+        results += evaluate(defn, sol, workloads, device, args.timeout, on_result=_progress(len(workloads)))
+    print()
+    print(table(results))
+    return 0 if all(r.status == PASSED for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

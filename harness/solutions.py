@@ -1,0 +1,146 @@
+"""Solutions: `solutions/<name>/solution.json` (FlashInfer-bench Solution fields) and its sources, loaded into a
+callable that returns the outputs in definition order. The definition's reference is the built-in `reference`."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from harness import HarnessError
+from harness.definition import Definition
+
+REFERENCE = "reference"
+LANGUAGES = ("python", "triton", "cuda")
+
+
+class SolutionError(HarnessError):
+    pass
+
+
+@dataclass
+class Solution:
+    name: str
+    definition: str
+    author: str
+    language: str
+    entry_file: str
+    entry_function: str
+    destination_passing_style: bool
+    target_hardware: tuple[str, ...] = ()
+    dependencies: tuple[str, ...] = ()
+    sources: tuple[str, ...] = ()
+    description: str = ""
+    folder: Path | None = None            # None for the built-in reference
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_reference(self) -> bool:
+        return self.folder is None
+
+
+def reference_solution(defn: Definition) -> Solution:
+    return Solution(REFERENCE, defn.name, "definition", "python", "<definition>", "run", False,
+                    description="the definition's reference code")
+
+
+def parse_solution(raw, where: str, folder: Path) -> Solution:
+    def need(cond, f, msg):
+        if not cond:
+            raise SolutionError(f"{where}: field '{f}': {msg}")
+    need(isinstance(raw, dict), "<root>", "must be a JSON object")
+    for key in ("name", "definition", "author"):
+        need(isinstance(raw.get(key), str) and raw[key], key, "must be a non-empty string")
+    need(raw["name"] == folder.name, "name", f"is {raw['name']!r} but the folder is {folder.name!r}")
+    spec = raw.get("spec")
+    need(isinstance(spec, dict), "spec", "must be an object")
+    need(spec.get("language") in LANGUAGES, "spec.language", f"must be one of {LANGUAGES}")
+    entry = spec.get("entry_point")
+    m = re.fullmatch(r"([\w./-]+\.py)::([A-Za-z_]\w*)", entry) if isinstance(entry, str) else None
+    need(m is not None, "spec.entry_point", f"{entry!r} is not 'file.py::function'")
+    dps = spec.get("destination_passing_style", True)
+    need(isinstance(dps, bool), "spec.destination_passing_style", "must be true or false")
+    hardware = spec.get("target_hardware", [])
+    need(isinstance(hardware, list), "spec.target_hardware", "must be a list")
+    deps = spec.get("dependencies", [])
+    need(isinstance(deps, list), "spec.dependencies", "must be a list")
+    sources = raw.get("sources")
+    need(isinstance(sources, list) and sources, "sources", "must be a non-empty list of {path}")
+    paths = []
+    for i, s in enumerate(sources):
+        p = s.get("path") if isinstance(s, dict) else None
+        need(isinstance(p, str) and p and not Path(p).is_absolute() and ".." not in Path(p).parts,
+             f"sources[{i}].path", f"{p!r} must be a relative path inside the folder")
+        need((folder / p).is_file(), f"sources[{i}].path", f"{p!r} does not exist in {folder}")
+        paths.append(p)
+    need(m.group(1) in paths, "spec.entry_point", f"{m.group(1)!r} is not among the sources")
+    return Solution(raw["name"], raw["definition"], raw["author"], spec["language"], m.group(1), m.group(2), dps,
+                    tuple(hardware), tuple(deps), tuple(paths), raw.get("description") or "", folder, raw)
+
+
+def load_solution(name: str, defn: Definition, root: str | Path = "solutions") -> Solution:
+    if name == REFERENCE:
+        return reference_solution(defn)
+    folder = Path(root) / name
+    path = folder / "solution.json"
+    if not path.is_file():
+        known = sorted(p.parent.name for p in Path(root).glob("*/solution.json"))
+        raise SolutionError(f"{path}: no such solution (known: {', '.join([REFERENCE] + known)})")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SolutionError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    sol = parse_solution(raw, str(path), folder)
+    if sol.definition != defn.name:
+        raise SolutionError(f"{path}: field 'definition': is {sol.definition!r}, expected {defn.name!r}")
+    return sol
+
+
+def discover(defn: Definition, root: str | Path = "solutions") -> list[str]:
+    """Names of the solutions for `defn`: the reference first, then the folders, sorted."""
+    names = []
+    for p in sorted(Path(root).glob("*/solution.json")):
+        try:
+            if json.loads(p.read_text()).get("definition") == defn.name:
+                names.append(p.parent.name)
+        except (json.JSONDecodeError, AttributeError):
+            names.append(p.parent.name)     # let load_solution report it
+    return [REFERENCE] + names
+
+
+def load_entry(sol: Solution, defn: Definition) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """Import the solution's entry point and wrap it to return the outputs in definition order. Raises whatever
+    the import raises: the caller reports it as COMPILE_ERROR."""
+    if sol.is_reference:
+        fn, dps = defn.reference_run(), False
+    else:
+        folder = str(sol.folder.resolve())
+        if folder not in sys.path:
+            sys.path.insert(0, folder)       # multi-file solutions import their siblings
+        module_name = f"solution_{sol.name}_{Path(sol.entry_file).stem}"
+        spec = importlib.util.spec_from_file_location(module_name, sol.folder / sol.entry_file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+        fn = getattr(module, sol.entry_function, None)
+        if not callable(fn):
+            raise AttributeError(f"{sol.entry_file} defines no function {sol.entry_function!r}")
+        dps = sol.destination_passing_style
+    if not dps:
+        def call(inputs: dict, axes: dict):
+            out = fn(*inputs.values())
+            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        return call
+
+    def call_dps(inputs: dict, axes: dict):
+        device = next(iter(inputs.values())).device
+        outs = tuple(torch.empty(defn.shape(s, axes), dtype=s.torch_dtype, device=device)
+                     for s in defn.outputs.values())
+        fn(*inputs.values(), *outs)
+        return outs
+    return call_dps

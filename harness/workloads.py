@@ -1,0 +1,199 @@
+"""Workloads: FlashInfer-bench workload lines (JSONL) whose tensors live in safetensors blobs.
+
+One line per (batch size, family). Each line records the family and seed the blob is generated from and the sha256
+of its tensor contents: a missing blob is regenerated from the seed, a blob whose contents differ is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid as uuid_lib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness import HarnessError
+from harness.definition import Definition
+from harness.ops import load_op
+
+DEFAULT_BATCH_SIZES = (1, 2, 16, 32, 64, 128, 256, 512)
+BASE_SEED = 20261202
+
+
+class WorkloadError(HarnessError):
+    pass
+
+
+@dataclass
+class Workload:
+    definition: str
+    uuid: str
+    axes: dict[str, int]          # the var axes, as FlashInfer-bench records them
+    inputs: dict[str, dict]       # name -> {"type": "safetensors", "path": ..., "tensor_key": ...}
+    family: str
+    seed: int
+    sha256: str
+
+    @property
+    def blob(self) -> str:
+        return next(iter(self.inputs.values()))["path"]
+
+    @property
+    def label(self) -> str:
+        return f"{self.family} " + " ".join(f"{k}={v}" for k, v in self.axes.items())
+
+    def to_json(self) -> dict:
+        return {"definition": self.definition,
+                "workload": {"uuid": self.uuid, "axes": self.axes, "inputs": self.inputs,
+                             "family": self.family, "seed": self.seed, "sha256": self.sha256},
+                "solution": None, "evaluation": None}
+
+
+def workloads_path(defn: Definition, root: str | Path = ".") -> Path:
+    return Path(root) / "workloads" / defn.op_type / f"{defn.name}.jsonl"
+
+
+def content_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """Hash of names, dtypes, shapes and bytes: independent of the file format's layout."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _seed(defn: Definition, family: str, var_axes: dict, base_seed: int) -> int:
+    key = f"{defn.name}/{family}/{sorted(var_axes.items())}/{base_seed}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "little")
+
+
+def make_workload(defn: Definition, family: str, var_axes: dict[str, int], base_seed: int = BASE_SEED,
+                  root: str | Path = ".", device="cpu") -> Workload:
+    """Generate one workload's tensors, write its blob and return its line (with the blob's hash)."""
+    seed = _seed(defn, family, var_axes, base_seed)
+    stem = "_".join([family] + [f"{k}{v}" for k, v in var_axes.items()])
+    blob = f"workloads/blob/{defn.name}/{stem}.safetensors"
+    tensors = generate_tensors(defn, family, var_axes, seed, device)
+    path = Path(root) / blob
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(path))
+    uid = str(uuid_lib.uuid5(uuid_lib.NAMESPACE_URL, f"{defn.name}/{stem}/{seed}"))
+    inputs = {name: {"type": "safetensors", "path": blob, "tensor_key": name} for name in defn.inputs}
+    return Workload(defn.name, uid, dict(var_axes), inputs, family, seed, content_sha256(tensors))
+
+
+def generate_tensors(defn: Definition, family: str, var_axes: dict, seed: int, device="cpu") -> dict:
+    axes = defn.resolve_axes(var_axes)
+    tensors = load_op(defn.op_type).make_inputs(family, axes, seed, device)
+    _check_tensors(defn, tensors, axes, f"family {family!r}")
+    return tensors
+
+
+def _check_tensors(defn: Definition, tensors: dict, axes: dict, where: str) -> None:
+    for name, spec in defn.inputs.items():
+        if name not in tensors:
+            raise WorkloadError(f"{where}: input {name!r} missing")
+        t, shape = tensors[name], defn.shape(spec, axes)
+        if tuple(t.shape) != shape or t.dtype != spec.torch_dtype:
+            raise WorkloadError(f"{where}: input {name!r} is {t.dtype} {tuple(t.shape)}, "
+                                f"the definition says {spec.dtype} {shape}")
+
+
+def save_workloads(path: str | Path, workloads: list[Workload]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(w.to_json()) + "\n" for w in workloads))
+
+
+def _parse_line(raw, defn: Definition, where: str) -> Workload:
+    def need(cond, field, msg):
+        if not cond:
+            raise WorkloadError(f"{where}: field '{field}': {msg}")
+    need(isinstance(raw, dict), "<line>", "must be a JSON object")
+    need(raw.get("definition") == defn.name, "definition", f"is {raw.get('definition')!r}, expected {defn.name!r}")
+    w = raw.get("workload")
+    need(isinstance(w, dict), "workload", "must be an object")
+    need(isinstance(w.get("uuid"), str) and w["uuid"], "workload.uuid", "must be a non-empty string")
+    need(isinstance(w.get("axes"), dict), "workload.axes", "must be an object of var axis values")
+    try:
+        defn.resolve_axes(w["axes"])
+    except HarnessError as e:
+        raise WorkloadError(f"{where}: field 'workload.axes': {e}") from None
+    inputs = w.get("inputs")
+    need(isinstance(inputs, dict) and set(inputs) == set(defn.inputs), "workload.inputs",
+         f"must name exactly the inputs {sorted(defn.inputs)}")
+    for name, spec in inputs.items():
+        need(isinstance(spec, dict) and spec.get("type") == "safetensors" and isinstance(spec.get("path"), str)
+             and isinstance(spec.get("tensor_key"), str), f"workload.inputs.{name}",
+             "must be {type: safetensors, path, tensor_key}")
+    need(len({s["path"] for s in inputs.values()}) == 1, "workload.inputs", "all inputs must share one blob")
+    need(isinstance(w.get("family"), str), "workload.family", "must name the input family")
+    need(isinstance(w.get("seed"), int), "workload.seed", "must be an integer")
+    need(isinstance(w.get("sha256"), str) and len(w["sha256"]) == 64, "workload.sha256", "must be a sha256 hex")
+    families = load_op(defn.op_type).FAMILIES
+    need(w["family"] in families, "workload.family", f"unknown family {w['family']!r} (known: {families})")
+    return Workload(defn.name, w["uuid"], dict(w["axes"]), inputs, w["family"], w["seed"], w["sha256"])
+
+
+def load_workloads(defn: Definition, path: str | Path | None = None) -> list[Workload]:
+    path = Path(path) if path is not None else workloads_path(defn)
+    if not path.exists():
+        raise WorkloadError(f"{path}: no workload file (write it with scripts/gen_workloads.py)")
+    workloads = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise WorkloadError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        workloads.append(_parse_line(raw, defn, f"{path}:{n}"))
+    if not workloads:
+        raise WorkloadError(f"{path}: no workloads")
+    return workloads
+
+
+def load_inputs(defn: Definition, w: Workload, device="cpu", root: str | Path = ".") -> dict[str, torch.Tensor]:
+    """A workload's input tensors on `device`, in definition order. A missing blob is generated from the recorded
+    seed; a blob (present or regenerated) whose contents differ from the recorded sha256 is an error."""
+    path = Path(root) / w.blob
+    if path.exists():
+        try:
+            tensors = load_file(str(path))
+        except Exception as e:  # a truncated or foreign file
+            raise WorkloadError(f"{path}: unreadable safetensors blob ({e}); delete it to regenerate") from None
+        origin = "on disk"
+    else:
+        tensors = generate_tensors(defn, w.family, w.axes, w.seed, device)
+        origin = "regenerated from its seed"
+    tensors = {name: tensors.get(spec["tensor_key"]) for name, spec in w.inputs.items()}
+    missing = [n for n, t in tensors.items() if t is None]
+    if missing:
+        raise WorkloadError(f"{path}: tensors {missing} missing from the blob; delete it to regenerate")
+    digest = content_sha256(tensors)
+    if digest != w.sha256:
+        raise WorkloadError(f"{path} ({origin}): sha256 {digest[:12]} differs from the recorded {w.sha256[:12]}: "
+                            "stale or foreign data; see README 'Workloads' to regenerate")
+    if origin != "on disk":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(path))
+    _check_tensors(defn, tensors, defn.resolve_axes(w.axes), str(path))
+    return {name: tensors[name].to(device) for name in defn.inputs}
+
+
+def select(workloads: list[Workload], batch_sizes=None, families=None, axis: str = "batch_size") -> list[Workload]:
+    """The workloads with the given batch sizes and families (None: all), in file order."""
+    chosen = [w for w in workloads
+              if (batch_sizes is None or w.axes.get(axis) in batch_sizes)
+              and (families is None or w.family in families)]
+    for b in batch_sizes or ():
+        if not any(w.axes.get(axis) == b for w in workloads):
+            raise WorkloadError(f"no workload with {axis}={b} (present: "
+                                f"{sorted({w.axes.get(axis) for w in workloads})}); add it with scripts/gen_workloads.py")
+    for f in families or ():
+        if not any(w.family == f for w in workloads):
+            raise WorkloadError(f"no workload of family {f!r} (present: {sorted({w.family for w in workloads})})")
+    return chosen

@@ -1,0 +1,47 @@
+"""Write the definition's workload file and blobs: one FlashInfer-bench workload line per (batch size, family).
+
+    python scripts/gen_workloads.py                       # every family at batch sizes 1, 2, 16, ..., 512
+    python scripts/gen_workloads.py --batch-sizes 1,2     # a subset (the JSONL then lists only those)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import HarnessError  # noqa: E402
+from harness.definition import find_definition  # noqa: E402
+from harness.ops import load_op  # noqa: E402
+from harness.workloads import BASE_SEED, DEFAULT_BATCH_SIZES, make_workload, save_workloads, workloads_path  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--definition", default="leapquant_kda_flush_r4_int8_h32_v128_k128")
+    p.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)))
+    p.add_argument("--families", default=None, help="comma-separated (default: all of the operator's)")
+    p.add_argument("--seed", type=int, default=BASE_SEED, help="base seed (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="device to generate on; the bits do not depend on it")
+    args = p.parse_args(argv)
+    try:
+        defn = find_definition(args.definition)
+        families = args.families.split(",") if args.families else load_op(defn.op_type).FAMILIES
+        workloads = []
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            for family in families:
+                t = time.time()
+                workloads.append(make_workload(defn, family, {"batch_size": b}, args.seed, device=args.device))
+                print(f"{family:>13} batch_size={b:<4} {time.time() - t:6.1f} s  {workloads[-1].blob}", flush=True)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    save_workloads(workloads_path(defn), workloads)
+    print(f"wrote {workloads_path(defn)} ({len(workloads)} workloads)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

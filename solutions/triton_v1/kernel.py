@@ -1,0 +1,286 @@
+# SPDX-License-Identifier: Apache-2.0
+"""LeapQuant window flush (leapquant_kda_flush_r4_int8_h32_v128_k128) as one fused Triton kernel.
+
+One program per (sequence, head), 4 warps.  The state is never materialised whole:
+
+    S = A B + diag(s_v) codes diag(cs),    cs = s_k / 127 * exp(pcum)
+
+with a 32-wide factor index f:
+    f in [0, 16):   A[:, f] = ubuf_f                    B[f] = w_f kbuf_f * D_f
+    f in [16, 20):  A[:, f] = hi(q_{f-16})              B[f] = u_{f-16} * exp(pcum)
+    f in [20, 24):  A[:, f] = lo(q_{f-20})              B[f] = u_{f-20} * exp(pcum)
+    f in [24, 32):  zero while rebuilding S; hi/lo(q_new) against -u_new for the residual E = S - q_new^T u_new
+A holds only bf16-exact values (ubuf is bf16, an fp16 q is hi + lo exactly); B is fp32 and goes to the tensor cores
+as a bf16 hi + lo pair.  The three subspace products use the factored form on tensor cores (codes are exact in
+bf16; the vector operand is a hi/lo pair in the columns 0-3 / 4-7 of a [*, 16] tile; the two halves are summed when
+the four result vectors are extracted).  The residual is rebuilt twice in row chunks of VC rows (once for s_k,
+once for s_v and the codes).  q_new and u_new are stored before the residual passes and read back (after a CTA
+barrier) to build the chunks of A and the rows 24-31 of B.
+
+TC (constexpr): True on the GPU (bf16 tensor-core dots); False under the interpreter, where the same bf16-valued
+operands stay fp32 and the dots run in ieee fp32 (the interpreter mishandles bf16 tl.dot).
+"""
+import torch
+import triton
+import triton.language as tl
+
+QMAX = tl.constexpr(127.0)
+EPS = tl.constexpr(1e-12)
+
+NUM_WARPS = 4
+VC = 32          # rows per residual chunk
+
+
+@triton.jit
+def _bf(x):
+    """x rounded to a bf16 value, kept as fp32."""
+    return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _mm(a, b, TC: tl.constexpr):
+    """a @ b for bf16-valued fp32 tiles: bf16 tensor cores (exact products, fp32 accumulation) or ieee fp32."""
+    if TC:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+
+
+@triton.jit
+def _split3(t, c16):
+    """[N, 16] tile whose columns 0-11 hold copies of four vectors (x_{c % 4}): the bf16 parts of a three-way split
+    x = hi + mid + lo (24 bits) in the columns 0-3, 4-7, 8-11; columns 12-15 zero."""
+    h = _bf(t)
+    r = t - h
+    m = _bf(r)
+    lo = _bf(r - m)
+    return tl.where(c16[None, :] < 4, h, tl.where(c16[None, :] < 8, m, lo))
+
+
+@triton.jit
+def _assemble(x0, x1, x2, x3, c16):
+    """[N, 16] fp32 tile: column c holds x_{c % 4} for c < 12, zero beyond."""
+    cm = c16[None, :] % 4
+    t = tl.where(cm == 0, x0[:, None], tl.where(cm == 1, x1[:, None], tl.where(cm == 2, x2[:, None], x3[:, None])))
+    return tl.where(c16[None, :] < 12, t, 0.0)
+
+
+@triton.jit
+def _col(t, c16, j: tl.constexpr):
+    """Result column j of a [N, 16] product tile: the sum of its hi, mid and lo columns."""
+    sel = (c16[None, :] == j) | (c16[None, :] == j + 4) | (c16[None, :] == j + 8)
+    return tl.sum(tl.where(sel, t, 0.0), axis=1)
+
+
+@triton.jit
+def _normalize(v):
+    n = tl.sqrt(tl.sum(v * v, axis=0))
+    n = tl.maximum(n, 1e-30)
+    return v / n
+
+
+@triton.jit
+def _proj(v, c):
+    return v - c * tl.sum(c * v, axis=0)
+
+
+@triton.jit
+def _mgs2(a0, a1, a2, a3):
+    """Modified Gram-Schmidt with the projections applied twice, as the reference's _mgs."""
+    c0 = _normalize(a0)
+    v = a1
+    v = _proj(v, c0)
+    v = _proj(v, c0)
+    c1 = _normalize(v)
+    v = a2
+    v = _proj(v, c0)
+    v = _proj(v, c1)
+    v = _proj(v, c0)
+    v = _proj(v, c1)
+    c2 = _normalize(v)
+    v = a3
+    v = _proj(v, c0)
+    v = _proj(v, c1)
+    v = _proj(v, c2)
+    v = _proj(v, c0)
+    v = _proj(v, c1)
+    v = _proj(v, c2)
+    c3 = _normalize(v)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _st_product(a_full, bf, cb, xt, sv, cs, c16, TC: tl.constexpr):
+    """S^T X for the four vectors held in xt ([V, 16], x_{c % 4} in the columns c < 12)."""
+    g = _mm(tl.trans(a_full), _split3(xt, c16), TC)                 # [F, 16]  A^T X  (A exact)
+    rc = _mm(tl.trans(cb), _split3(sv[:, None] * xt, c16), TC)      # [K, 16]  codes^T (s_v X)
+    o0 = cs * _col(rc, c16, 0) + tl.sum(bf * _col(g, c16, 0)[:, None], axis=0)
+    o1 = cs * _col(rc, c16, 1) + tl.sum(bf * _col(g, c16, 1)[:, None], axis=0)
+    o2 = cs * _col(rc, c16, 2) + tl.sum(bf * _col(g, c16, 2)[:, None], axis=0)
+    o3 = cs * _col(rc, c16, 3) + tl.sum(bf * _col(g, c16, 3)[:, None], axis=0)
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _s_product(a_full, bf, cb, z0, z1, z2, z3, sv, cs, c16, TC: tl.constexpr):
+    """S Z for four vectors over K."""
+    h0 = tl.sum(bf * z0[None, :], axis=1)                           # [F]  B z_j  (fp32)
+    h1 = tl.sum(bf * z1[None, :], axis=1)
+    h2 = tl.sum(bf * z2[None, :], axis=1)
+    h3 = tl.sum(bf * z3[None, :], axis=1)
+    t = _mm(a_full, _split3(_assemble(h0, h1, h2, h3, c16), c16), TC)          # [V, 16]  A (B Z)
+    zt = _assemble(z0, z1, z2, z3, c16)
+    rc = _mm(cb, _split3(cs[:, None] * zt, c16), TC)                          # [V, 16]  codes (cs Z)
+    o0 = sv * _col(rc, c16, 0) + _col(t, c16, 0)
+    o1 = sv * _col(rc, c16, 1) + _col(t, c16, 1)
+    o2 = sv * _col(rc, c16, 2) + _col(t, c16, 2)
+    o3 = sv * _col(rc, c16, 3) + _col(t, c16, 3)
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _residual_chunk(v0, codes_h, sv_h, ubuf_h, q_h, qn_h, bh, bm, bl, cs, rk,
+                    V: tl.constexpr, K: tl.constexpr, VC: tl.constexpr, TC: tl.constexpr):
+    """E rows [v0, v0 + VC) = A_c B + diag(s_v) codes diag(cs), with q_new in A's columns 24-31."""
+    rv = v0 + tl.arange(0, VC)
+    f = tl.arange(0, 32)
+    fr = f % 4
+    ub = tl.load(ubuf_h + f[None, :] * V + rv[:, None], mask=f[None, :] < 16, other=0.0).to(tl.float32)
+    qa = tl.load(q_h + fr[None, :] * V + rv[:, None], mask=(f[None, :] >= 16) & (f[None, :] < 24),
+                 other=0.0).to(tl.float32)
+    qb = tl.load(qn_h + fr[None, :] * V + rv[:, None], mask=f[None, :] >= 24, other=0.0).to(tl.float32)
+    qq = qa + qb
+    qhi = _bf(qq)
+    lo_col = ((f[None, :] >= 20) & (f[None, :] < 24)) | (f[None, :] >= 28)
+    a_c = ub + tl.where(lo_col, qq - qhi, qhi)
+    acc = _mm(a_c, bh, TC)
+    acc += _mm(a_c, bm, TC)
+    acc += _mm(a_c, bl, TC)
+    cd = tl.load(codes_h + rv[:, None] * K + rk[None, :]).to(tl.float32)
+    svc = tl.load(sv_h + rv)
+    return acc + (cd * svc[:, None]) * cs[None, :]
+
+
+@triton.jit
+def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, gbuf_ptr, w_ptr, pcum_ptr, q0_ptr,
+                  codes_out, sk_out, sv_out, u_out, q_out,
+                  V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, R: tl.constexpr, VC: tl.constexpr,
+                  TC: tl.constexpr):
+    tl.static_assert(L == 16)
+    tl.static_assert(R == 4)
+    pid = tl.program_id(0).to(tl.int64)
+    codes_h = codes_ptr + pid * (V * K)
+    sk_h = sk_ptr + pid * K
+    sv_h = sv_ptr + pid * V
+    u_h = u_ptr + pid * (R * K)
+    q_h = q_ptr + pid * (R * V)
+    kbuf_h = kbuf_ptr + pid * (L * K)
+    ubuf_h = ubuf_ptr + pid * (L * V)
+    gbuf_h = gbuf_ptr + pid * (L * K)
+    w_h = w_ptr + pid * L
+    pcum_h = pcum_ptr + pid * K
+    codes_o = codes_out + pid * (V * K)
+    sk_o = sk_out + pid * K
+    sv_o = sv_out + pid * V
+    u_o = u_out + pid * (R * K)
+    q_o = q_out + pid * (R * V)
+
+    rv = tl.arange(0, V)
+    rk = tl.arange(0, K)
+    f = tl.arange(0, 32)
+    fr = f % 4
+    c16 = tl.arange(0, 16)
+
+    # ---- per-head vectors
+    e = tl.exp(tl.load(pcum_h + rk))
+    cs = tl.load(sk_h + rk) * (1.0 / QMAX) * e                                           # [K]
+    sv = tl.load(sv_h + rv)                                                              # [V]
+
+    # ---- B [32, K] (rows 24-31 zero while rebuilding S)
+    kb = tl.load(kbuf_h + f[:, None] * K + rk[None, :], mask=f[:, None] < L, other=0.0).to(tl.float32)
+    gs = tl.load(gbuf_h + (f[:, None] + 1) * K + rk[None, :], mask=f[:, None] < L - 1, other=1.0).to(tl.float32)
+    dec = tl.cumprod(gs, axis=0, reverse=True)                                          # D_f = prod_{i > f} g_i
+    wv = tl.load(w_h + f, mask=f < L, other=0.0)
+    uu = tl.load(u_h + fr[:, None] * K + rk[None, :], mask=(f[:, None] >= 16) & (f[:, None] < 24),
+                 other=0.0).to(tl.float32)
+    b = wv[:, None] * kb * dec + uu * e[None, :]
+
+    # ---- A [V, 32] (bf16-exact; columns 24-31 zero)
+    ub = tl.load(ubuf_h + f[None, :] * V + rv[:, None], mask=f[None, :] < L, other=0.0).to(tl.float32)
+    qa = tl.load(q_h + fr[None, :] * V + rv[:, None], mask=(f[None, :] >= 16) & (f[None, :] < 24),
+                 other=0.0).to(tl.float32)
+    qhi = _bf(qa)
+    a_full = ub + tl.where(f[None, :] >= 20, qa - qhi, qhi)
+
+    # ---- codes (int8; exact as bf16 in the dots)
+    cb = tl.load(codes_h + rv[:, None] * K + rk[None, :])
+
+    # ---- 1. qk = MGS2(S^T q0)
+    x = tl.load(q0_ptr + rv[:, None] * R + (c16[None, :] % 4), mask=c16[None, :] < 12, other=0.0)  # [V, 16]
+    a0, a1, a2, a3 = _st_product(a_full, b, cb, x, sv, cs, c16, TC)
+    k0, k1, k2, k3 = _mgs2(a0, a1, a2, a3)
+
+    # ---- 2. qv = MGS2(S qk)
+    b0, b1, b2, b3 = _s_product(a_full, b, cb, k0, k1, k2, k3, sv, cs, c16, TC)
+    v0, v1, v2, v3 = _mgs2(b0, b1, b2, b3)
+
+    # ---- 3. uk = S^T qv
+    u0, u1, u2, u3 = _st_product(a_full, b, cb, _assemble(v0, v1, v2, v3, c16), sv, cs, c16, TC)
+
+    tl.store(q_o + 0 * V + rv, v0.to(tl.float16))
+    tl.store(q_o + 1 * V + rv, v1.to(tl.float16))
+    tl.store(q_o + 2 * V + rv, v2.to(tl.float16))
+    tl.store(q_o + 3 * V + rv, v3.to(tl.float16))
+    tl.store(u_o + 0 * K + rk, u0.to(tl.float16))
+    tl.store(u_o + 1 * K + rk, u1.to(tl.float16))
+    tl.store(u_o + 2 * K + rk, u2.to(tl.float16))
+    tl.store(u_o + 3 * K + rk, u3.to(tl.float16))
+    tl.debug_barrier()
+
+    # ---- residual: B rows 24-31 = -u_new (fp16, hi + lo exact)
+    un = tl.load(u_o + fr[:, None] * K + rk[None, :], mask=f[:, None] >= 24, other=0.0).to(tl.float32)
+    b = b - un
+    bh = _bf(b)
+    br = b - bh
+    bm = _bf(br)
+    bl = _bf(br - bm)
+
+    # pass 1: s_k = sqrt(mean_v |E|)
+    absacc = tl.zeros([VC, K], dtype=tl.float32)
+    for v0c in range(0, V, VC):
+        ec = _residual_chunk(v0c, codes_h, sv_h, ubuf_h, q_h, q_o, bh, bm, bl, cs, rk, V, K, VC, TC)
+        absacc += tl.abs(ec)
+    sk_new = tl.sqrt(tl.sum(absacc, axis=0) * (1.0 / V))
+    sk_new = tl.maximum(sk_new, EPS)
+    tl.store(sk_o + rk, sk_new)
+    inv_sk = 1.0 / sk_new
+
+    # pass 2: s_v = max_k |E| / s_k, codes = round(127 E / (s_k s_v))
+    for v0c in range(0, V, VC):
+        ec = _residual_chunk(v0c, codes_h, sv_h, ubuf_h, q_h, q_o, bh, bm, bl, cs, rk, V, K, VC, TC)
+        t = ec * inv_sk[None, :]
+        svn = tl.maximum(tl.max(tl.abs(t), axis=1), EPS)
+        y = t * (QMAX / svn)[:, None]
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        # round half to even: exact for |y| < 2^22 (1.5 * 2^23 magic), integer read off the low mantissa bits
+        ir = (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+        rvc = v0c + tl.arange(0, VC)
+        tl.store(codes_o + rvc[:, None] * K + rk[None, :], ir.to(tl.int8))
+        tl.store(sv_o + rvc, svn)
+
+
+def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0):
+    B, H, V, K = codes.shape
+    R = u.shape[-2]
+    L = kbuf.shape[-2]
+    dev = codes.device
+    ins = [t.contiguous() for t in (codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0)]
+    codes_new = torch.empty((B, H, V, K), dtype=torch.int8, device=dev)
+    s_k_new = torch.empty((B, H, K), dtype=torch.float32, device=dev)
+    s_v_new = torch.empty((B, H, V), dtype=torch.float32, device=dev)
+    u_new = torch.empty((B, H, R, K), dtype=torch.float16, device=dev)
+    q_new = torch.empty((B, H, R, V), dtype=torch.float16, device=dev)
+    if B * H > 0:
+        _flush_kernel[(B * H,)](*ins, codes_new, s_k_new, s_v_new, u_new, q_new,
+                                V=V, K=K, L=L, R=R, VC=VC, TC=(dev.type == "cuda"), num_warps=NUM_WARPS)
+    return codes_new, s_k_new, s_v_new, u_new, q_new

@@ -1,0 +1,143 @@
+"""The operator module: families inside the domain and reproducible, and the criterion rejecting planted wrong
+variants with the right reason."""
+import pytest
+import torch
+
+from conftest import axes_for
+from harness.ops import leapquant_kda_flush as op
+
+SEEDS = (11, 12345)
+
+
+def _inputs(defn, family, batch_size, seed):
+    return op.make_inputs(family, axes_for(defn, batch_size), seed)
+
+
+@pytest.mark.parametrize("family", op.FAMILIES)
+def test_family_inside_domain(defn, family):
+    for seed in SEEDS:
+        x = _inputs(defn, family, 2, seed)
+        axes = axes_for(defn, 2)
+        for name, spec in defn.inputs.items():
+            assert x[name].dtype == spec.torch_dtype and tuple(x[name].shape) == defn.shape(spec, axes), name
+        assert (x["s_k"] > 0).all() and (x["s_v"] > 0).all()
+        assert ((x["w"] >= 0) & (x["w"] <= 1)).all()
+        assert ((x["gbuf"] > 0) & (x["gbuf"] <= 1)).all()
+        assert (x["pcum"] <= 0).all()
+        assert (x["codes"] >= -127).all()
+        assert op.exact_state(x).abs().max() < 1e5
+        assert all(torch.isfinite(t.float()).all() for t in x.values())
+
+
+@pytest.mark.parametrize("family", op.FAMILIES)
+def test_family_reproducible_and_seeded(defn, family):
+    a, b = _inputs(defn, family, 1, 7), _inputs(defn, family, 1, 7)
+    c = _inputs(defn, family, 1, 8)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["codes"], c["codes"]) or not torch.equal(a["kbuf"], c["kbuf"])
+
+
+def test_edge_holds_every_kind(defn):
+    x = _inputs(defn, "edge", 1, 3)
+    s = op.exact_state(x)[0]
+    scale = s.abs().mean((-2, -1))
+    kinds = op._edge_kinds(1, s.shape[0], s.device)[0]
+    by_kind = {k: scale[kinds == i] for i, k in enumerate(op.EDGE_KINDS)}
+    assert (by_kind["zero"] == 0).all()
+    assert (by_kind["tiny"] < 1e-3).all() and (by_kind["tinier"] < 1e-5).all()
+    assert (by_kind["huge"] > 100 * by_kind["generic"].max()).all()
+    assert (x["pcum"][0][kinds == op.EDGE_KINDS.index("decayed")] <= -200).all()
+    for kind, rank in (("rank1", 1), ("rank2", 2)):
+        for h in (kinds == op.EDGE_KINDS.index(kind)).nonzero().flatten():
+            sv = torch.linalg.svdvals(s[h])
+            assert sv[rank] < 1e-9 * sv[0], (kind, sv[:4])
+
+
+def test_second_window_starts_from_a_flushed_edge_checkpoint(defn):
+    edge, second = _inputs(defn, "edge", 1, 5), _inputs(defn, "second_window", 1, 5)
+    assert torch.equal(edge["q0"], second["q0"])
+    ref = defn.reference_run()(**edge)
+    codes_agree = (ref[0] == second["codes"]).float().mean()
+    assert codes_agree > 0.95      # the fp64 feedback and the fp32 reference round a few codes differently
+    assert not torch.equal(edge["kbuf"], second["kbuf"])
+
+
+# ---------------------------------------------------------------------------------------------- planted variants
+def _requantize(x, ref_out, residual=lambda e: e, rounding=torch.round):
+    """Scales and codes recomputed from the reference's tokens, with a planted change to the residual or rounding."""
+    _, _, _, u, q = ref_out
+    e = residual(op.exact_state(x).float() - q.float().transpose(-1, -2) @ u.float())
+    sk = e.abs().mean(-2).sqrt().clamp_min(op.EPS)
+    sv = (e.abs() / sk[..., None, :]).amax(-1).clamp_min(op.EPS)
+    codes = rounding(e / (sk[..., None, :] * sv[..., :, None]) * op.QMAX).clamp(-op.QMAX, op.QMAX).to(torch.int8)
+    return codes, sk, sv, u, q
+
+
+def _bf16_decayed_keys(defn, x):
+    d = op._decay_history(x["gbuf"].double())
+    planted = dict(x, kbuf=(x["kbuf"].double() * d).to(torch.bfloat16), gbuf=torch.ones_like(x["gbuf"]))
+    return defn.reference_run()(**planted)
+
+
+PLANTED = {
+    "codes truncated": lambda defn, x, ref: _requantize(x, ref, rounding=torch.trunc),
+    "residual in fp16": lambda defn, x, ref: _requantize(x, ref, residual=lambda e: e.half().float()),
+    "decayed keys in bf16": lambda defn, x, ref: _bf16_decayed_keys(defn, x),
+}
+
+
+@pytest.mark.parametrize("family", op.FAMILIES)
+def test_exact_requantization_passes(defn, family):
+    """The planted variants' own pipeline, left unplanted, passes: the failures below are the plants' doing."""
+    x = _inputs(defn, family, 2, 99)
+    ref = defn.reference_run()(**x)
+    assert op.judge(x, _requantize(x, ref), ref).passed
+
+
+@pytest.mark.parametrize("variant", PLANTED)
+def test_planted_variant_rejected(defn, variant):
+    failures = []
+    for family in op.FAMILIES:
+        x = _inputs(defn, family, 2, 99)
+        ref = defn.reference_run()(**x)
+        v = op.judge(x, PLANTED[variant](defn, x, ref), ref)
+        failures.append((family, v.passed, v.reason))
+    assert any(not passed for _, passed, _ in failures), failures
+    assert all(("ratio" in r or "cap" in r) for _, passed, r in failures if not passed), failures
+
+
+def test_code_out_of_range_rejected(defn):
+    x = _inputs(defn, "random", 1, 4)
+    ref = defn.reference_run()(**x)
+    codes = ref[0].clone()
+    codes[0, 3, 5, 7] = -128
+    v = op.judge(x, (codes,) + ref[1:], ref)
+    assert not v.passed and "out of range" in v.reason
+
+
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_non_finite_rejected(defn, index):
+    x = _inputs(defn, "trajectory", 1, 4)
+    ref = defn.reference_run()(**x)
+    bad = list(ref)
+    bad[index] = bad[index].contiguous().clone()
+    bad[index].view(-1)[17] = float("nan")
+    v = op.judge(x, tuple(bad), ref)
+    assert not v.passed and "non-finite" in v.reason
+
+
+def test_swapped_scales_rejected(defn):
+    x = _inputs(defn, "random", 1, 4)
+    ref = defn.reference_run()(**x)
+    v = op.judge(x, (ref[0], ref[2], ref[1], ref[3], ref[4]), ref)
+    assert not v.passed and "ratio" in v.reason
+
+
+def test_zero_head_must_decode_exactly(defn):
+    x = _inputs(defn, "edge", 1, 4)
+    ref = defn.reference_run()(**x)
+    zero = int((op._edge_kinds(1, 32, "cpu")[0] == op.EDGE_KINDS.index("zero")).nonzero()[0])
+    u, q = ref[3].clone(), ref[4].clone()
+    u[0, zero, 0, 0], q[0, zero, 0, 0] = 1e-3, 1.0
+    v = op.judge(x, ref[:3] + (u, q), ref)
+    assert not v.passed and "cap" in v.reason and f"head {zero}" in v.reason
