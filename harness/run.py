@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -12,7 +13,8 @@ from tabulate import tabulate
 from harness import HarnessError
 from harness.definition import find_definition
 from harness.runner import PASSED, Result, evaluate
-from harness.solutions import discover, load_solution
+from harness import traces
+from harness.solutions import REFERENCE, discover, load_solution
 from harness.workloads import load_workloads, select
 
 DEFAULT_DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
@@ -38,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--families", type=_csv(str), help="comma-separated input families (default: all)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per call before TIMEOUT (default: 300)")
+    p.add_argument("--traces", metavar="DIR", help="write FlashInfer-bench traces under DIR (default: traces/ when "
+                                                   "timed on a GPU; CPU runs write none unless given)")
+    p.add_argument("--no-traces", action="store_true", help="write no traces")
     return p.parse_args(argv)
 
 
@@ -87,10 +92,36 @@ def main(argv=None) -> int:
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{defn.name}: {len(solutions)} solution(s) x {len(workloads)} workload(s) on {device}", flush=True)
+    if device == "cpu":
+        for sol in [s for s in solutions if s.language == "cuda"]:
+            print(f"skipping {sol.name}: a CUDA solution needs a GPU", flush=True)
+        solutions = [s for s in solutions if s.language != "cuda"]
+        names = [s.name for s in solutions]
+    timed = device == "cuda"
+    trace_root = None if args.no_traces else Path(args.traces) if args.traces else traces.TRACES if timed else None
+    env = traces.environment(device)
+    print(f"{defn.name}: {len(solutions)} solution(s) x {len(workloads)} workload(s) on {device} "
+          f"({env['hardware']})", flush=True)
+    reference_ms = {}
+    if timed and trace_root is not None and REFERENCE not in names:
+        for w in workloads:
+            reference_ms[w.uuid] = traces.reference_latency(defn.name, w.uuid, env["hardware"], trace_root)
+        missing = [w for w in workloads if reference_ms[w.uuid] is None]
+        if missing:
+            print(f"timing the reference on {len(missing)} workload(s) for the speedups", flush=True)
+            names, solutions = [REFERENCE] + names, [load_solution(REFERENCE, defn)] + solutions
     results: list[Result] = []
     for sol in solutions:
-        results += evaluate(defn, sol, workloads, device, args.timeout, on_result=_progress(len(workloads)))
+        done = evaluate(defn, sol, workloads if sol.name != REFERENCE or not reference_ms else
+                        [w for w in workloads if reference_ms[w.uuid] is None],
+                        device, args.timeout, on_result=_progress(len(workloads)), timed=timed)
+        if sol.name == REFERENCE:
+            reference_ms.update({r.workload.uuid: r.latency_ms for r in done})
+        if trace_root is not None:
+            records = [traces.trace_record(r, env, reference_ms.get(r.workload.uuid)) for r in done]
+            for path in traces.write_traces(records, trace_root):
+                print(f"  wrote {path}", flush=True)
+        results += done
     print()
     print(table(results))
     return 0 if all(r.status == PASSED for r in results) else 1

@@ -3,6 +3,7 @@ timing stay in this (the parent) process, out of the solution's reach. A crash, 
 becomes a status for its workloads and never stops the others."""
 from __future__ import annotations
 
+import math
 import os
 import traceback
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Callable
 import torch
 import torch.multiprocessing as mp
 
-from harness import HarnessError
+from harness import HarnessError, timing
 from harness.definition import Definition
 from harness.ops import Verdict, load_op
 from harness.solutions import Solution, load_entry
@@ -35,7 +36,8 @@ class Result:
     status: str
     log: str = ""
     verdict: Verdict | None = None
-    latency_ms: float | None = None
+    latency_ms: float | None = None     # median kernel time on the GPU
+    floor_ms: float | None = None       # the memory floor of this workload on this GPU
 
 
 def _one_line(e: BaseException) -> str:
@@ -47,8 +49,10 @@ def _one_line(e: BaseException) -> str:
 
 
 def _worker(conn, sol: Solution, defn: Definition, env: dict) -> None:
-    """Child process: load the solution, then answer ("run", inputs, axes) messages with its outputs."""
+    """Child process: load the solution, then answer ("run", inputs, axes) with its outputs and
+    ("time", inputs, axes, seed) with timing.time_calls' results (all tensors sent back on the CPU)."""
     os.environ.update(env)
+    timing.guard()
     try:
         fn = load_entry(sol, defn)
     except BaseException as e:  # noqa: BLE001 - any failure to load is the solution's compile error
@@ -62,14 +66,28 @@ def _worker(conn, sol: Solution, defn: Definition, env: dict) -> None:
             return
         if msg[0] == "stop":
             return
-        _, inputs, axes = msg
         try:
-            out = fn(inputs, axes)
-            if inputs and next(iter(inputs.values())).is_cuda:
-                torch.cuda.synchronize()
-            conn.send(("ok", out))
+            if msg[0] == "run":
+                out = fn(msg[1], msg[2])
+                devices = [str(t.device) for t in out if isinstance(t, torch.Tensor)] \
+                    if isinstance(out, tuple) else []
+                reply = (_cpu(out), devices)
+            else:
+                t, samples, last = timing.time_calls(fn, *msg[1:])
+                reply = (t, _cpu(samples), _cpu(last))
+            patched = timing.tampered()
+            conn.send(("error", f"the solution replaced {patched}") if patched else ("ok", reply))
         except BaseException as e:  # noqa: BLE001 - reported as the workload's RUNTIME_ERROR
             conn.send(("error", _one_line(e)))
+
+
+def _cpu(x):
+    """Tensors (in nested tuples and lists) moved to the CPU: they cross the process boundary as shared memory."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cpu(v) for v in x)
+    return x
 
 
 class Worker:
@@ -103,12 +121,12 @@ class Worker:
             self.stop()
             return RUNTIME_ERROR, f"worker process died while {what} (exit code {code})"
 
-    def call(self, inputs: dict, axes: dict):
+    def call(self, *message):
         if self.proc is None or not self.proc.is_alive():
             self.start()
         if self.load_error:
             return COMPILE_ERROR, self.load_error
-        self.conn.send(("run", inputs, axes))
+        self.conn.send(message)
         status, payload = self._receive(self.timeout_s, "running")
         if status == "error":
             return RUNTIME_ERROR, payload
@@ -127,7 +145,7 @@ class Worker:
         self.proc = None
 
 
-def check_outputs(defn: Definition, outputs, axes: dict, device: torch.device) -> tuple[str, str]:
+def check_outputs(defn: Definition, outputs, devices: list[str], axes: dict, device: str) -> tuple[str, str]:
     """(status, log) of the outputs' count, types, shapes, dtypes and device against the definition."""
     specs = list(defn.outputs.items())
     if not isinstance(outputs, tuple) or len(outputs) != len(specs):
@@ -141,8 +159,9 @@ def check_outputs(defn: Definition, outputs, axes: dict, device: torch.device) -
             return INCORRECT_SHAPE, f"{name} has shape {tuple(t.shape)}, expected {shape}"
         if t.dtype != spec.torch_dtype:
             return INCORRECT_DTYPE, f"{name} is {t.dtype}, expected {spec.torch_dtype}"
-        if t.device != device:
-            return RUNTIME_ERROR, f"{name} is on {t.device}, the inputs on {device}"
+    wrong = [d for d in devices if torch.device(d).type != torch.device(device).type]
+    if wrong:
+        return RUNTIME_ERROR, f"outputs on {wrong[0]}, the inputs on {device}"
     return PASSED, ""
 
 
@@ -153,11 +172,29 @@ def modified_input(pristine: dict, used: dict) -> str | None:
     return None
 
 
+def program_layout(defn: Definition) -> tuple[tuple[str, ...], int]:
+    """The axes every output starts with (one program each: here batch x heads) and the inputs that share them."""
+    shapes = [s.shape for s in defn.outputs.values()]
+    n = 0
+    while all(len(s) > n and s[n] == shapes[0][n] for s in shapes):
+        n += 1
+    batched = tuple(name for name, s in defn.inputs.items() if s.shape[:n] == shapes[0][:n])
+    return batched, n
+
+
+def floor_ms(defn: Definition, axes: dict, bandwidth: float) -> float:
+    """Every input read once and every output written once, at the measured copy rate."""
+    nbytes = sum(math.prod(defn.shape(s, axes)) * s.torch_dtype.itemsize
+                 for s in (*defn.inputs.values(), *defn.outputs.values()))
+    return nbytes / bandwidth * 1e3
+
+
 def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device: str, timeout_s: float = 300.0,
-             on_result: Callable[[Result], None] = lambda r: None) -> list[Result]:
-    """Judge one solution on each workload, in its own worker process."""
+             on_result: Callable[[Result], None] = lambda r: None, timed: bool | None = None) -> list[Result]:
+    """Judge one solution on each workload in its own worker process; on a GPU, time the ones that pass."""
+    timed = device == "cuda" if timed is None else timed
+    bandwidth = timing.copy_bandwidth(device) if timed else None
     op = load_op(defn.op_type)
-    reference = defn.reference_run()
     worker = Worker(sol, defn, device, timeout_s)
     results = []
     try:
@@ -168,7 +205,10 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
             except HarnessError as e:
                 result.status, result.log = RUNTIME_ERROR, f"workload: {e}"
             else:
-                _judge_one(defn, op, reference, worker, pristine, result)
+                _judge_one(defn, op, worker, pristine, result)
+                if timed and result.status == PASSED:
+                    _time_one(defn, op, worker, pristine, result, bandwidth)
+                del pristine
             results.append(result)
             on_result(result)
     finally:
@@ -176,23 +216,58 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
     return results
 
 
-def _judge_one(defn, op, reference, worker: Worker, pristine: dict, result: Result) -> None:
+def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result) -> None:
     axes = defn.resolve_axes(result.workload.axes)
     used = {k: v.clone() for k, v in pristine.items()}
-    status, payload = worker.call(used, axes)
+    status, payload = worker.call("run", used, axes)
     if status != "ok":
         result.status, result.log = status, payload
         return
-    outputs = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in payload) \
-        if isinstance(payload, tuple) else payload
-    result.status, result.log = check_outputs(defn, outputs, axes, next(iter(pristine.values())).device)
+    outputs, devices = payload
+    device = next(iter(pristine.values())).device
+    result.status, result.log = check_outputs(defn, outputs, devices, axes, device.type)
     if result.status != PASSED:
         return
     name = modified_input(pristine, used)
     if name is not None:
         result.status, result.log = RUNTIME_ERROR, f"the solution modified its input {name!r}"
         return
-    verdict = op.judge(pristine, outputs, reference(**pristine))
+    outputs = tuple(t.to(device) for t in outputs)
+    verdict = op.judge(pristine, outputs, defn.reference_run()(**pristine))
     result.verdict = verdict
     if not verdict.passed:
         result.status, result.log = INCORRECT_NUMERICAL, verdict.reason
+
+
+def _time_one(defn, op, worker: Worker, pristine: dict, result: Result, bandwidth: float) -> None:
+    """Time the solution, judge the outputs of the timed calls, and refuse a physically impossible median."""
+    axes = defn.resolve_axes(result.workload.axes)
+    batched, n_prefix = program_layout(defn)
+    status, payload = worker.call("time", {k: v.clone() for k, v in pristine.items()}, axes, batched, n_prefix,
+                                  result.workload.seed)
+    if status != "ok":
+        result.status, result.log = status, f"while timing: {payload}"
+        return
+    t, samples, (last_perm, last_outputs) = payload
+    device = next(iter(pristine.values())).device
+    reference = defn.reference_run()
+    flat = {k: (v.reshape(-1, *v.shape[n_prefix:]) if k in batched else v) for k, v in pristine.items()}
+    checks = [(perm[sample], outs) for perm, sample, outs in samples]
+    checks.append((last_perm, last_outputs))
+    for k, (programs, outs) in enumerate(checks):
+        programs = programs.to(device)
+        inputs = {n: (v.index_select(0, programs)[None] if n in batched else v) for n, v in flat.items()}
+        outs = tuple(o.to(device).reshape(1, -1, *o.shape[n_prefix if k == len(checks) - 1 else 1:])
+                     for o in outs)
+        verdict = op.judge(inputs, outs, reference(**inputs))
+        if not verdict.passed:
+            result.status = INCORRECT_NUMERICAL
+            result.log = f"timed call {min(k, len(checks) - 2)}: {verdict.reason}"
+            return
+    result.latency_ms = t.median_ms
+    result.floor_ms = floor_ms(defn, axes, bandwidth)
+    result.log = t.note
+    if result.latency_ms < timing.IMPOSSIBLE_FRACTION * result.floor_ms:
+        result.status = RUNTIME_ERROR
+        result.log = (f"median {result.latency_ms * 1e3:.1f} us is below {timing.IMPOSSIBLE_FRACTION}x the memory "
+                      f"floor {result.floor_ms * 1e3:.1f} us: physically impossible")

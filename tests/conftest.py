@@ -19,3 +19,23 @@ def defn():
 
 def axes_for(defn, batch_size):
     return defn.resolve_axes({"batch_size": batch_size})
+
+
+def make_solution(root, name, code, dps=False, language="python", copy_flush=True):
+    """A solution folder under root: `main.py` holding `code` (entry `run`), beside a copy of torch_v1's flush.py
+    so a fixture can wrap a correct flush. Returns the folder."""
+    import json
+    import shutil
+    folder = Path(root) / name
+    folder.mkdir(parents=True)
+    (folder / "main.py").write_text(code)
+    sources = [{"path": "main.py"}]
+    if copy_flush:
+        shutil.copy(ROOT / "solutions/torch_v1/flush.py", folder / "flush.py")
+        sources.append({"path": "flush.py"})
+    (folder / "solution.json").write_text(json.dumps({
+        "name": name, "definition": DEFINITION, "author": "tests", "description": "fixture",
+        "spec": {"language": language, "target_hardware": ["CPU"], "entry_point": "main.py::run",
+                 "destination_passing_style": dps, "dependencies": []},
+        "sources": sources}))
+    return folder

@@ -6,8 +6,9 @@ key_dim, window, rank), so the module serves any size of the definition family.
 
 The families are bit-reproducible on any machine and device, because workload blobs are checked against recorded
 sha256 hashes: every draw is a uniform fp64 from a seeded CPU generator (no normal sampler: its vectorised
-transcendentals differ between CPUs), later arithmetic is correctly rounded (+ - * / sqrt) with reductions summed in a
-fixed order, and the one transcendental, exp, is evaluated from those operations alone (`_exp`).
+transcendentals differ between CPUs), later arithmetic is correctly rounded (+ - * sqrt, and / between tensors only:
+torch's CUDA division by a Python scalar multiplies by its reciprocal) with reductions summed in a fixed order, and
+the one transcendental, exp, is evaluated from those operations alone (`_exp`).
 """
 from __future__ import annotations
 
@@ -80,12 +81,12 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     vectorised exps differ in the last bit): 2^n * exp(r), r = x - n ln2 with ln2 split in two (Cody-Waite) and a
     degree-20 Taylor polynomial on |r| <= ln2 / 2."""
     x = x.clamp(-800.0, 700.0)                      # exp(-800) underflows to 0 as it should
-    n = torch.round(x / math.log(2.0))
+    n = torch.round(x * (1.0 / math.log(2.0)))
     r = (x - n * _LN2_HI) - n * _LN2_LO
     p = torch.ones_like(r)
     for k in range(20, 0, -1):
-        p = p * (r / k) + 1.0
-    half = torch.floor(n / 2.0)                     # two factors keep each 2^m inside the normal exponent range
+        p = p * (r * (1.0 / k)) + 1.0
+    half = torch.floor(n * 0.5)                     # two factors keep each 2^m inside the normal exponent range
     for m in (half, n - half):
         p = p * ((m.to(torch.int64) + 1023) << 52).view(torch.float64)
     return p
@@ -137,7 +138,7 @@ def _flush_fp64(inputs: dict, q0: torch.Tensor) -> dict:
     `trajectory` families."""
     x = {k: inputs[k].double() for k in CHECKPOINT + WINDOW}
     low_rank = _ordered_matmul(x["q"].transpose(-1, -2), x["u"])
-    old = low_rank + x["codes"] * (x["s_k"] / QMAX)[..., None, :] * x["s_v"][..., :, None]
+    old = low_rank + x["codes"] * (x["s_k"] * (1.0 / QMAX))[..., None, :] * x["s_v"][..., :, None]
     decay = _exp(x["pcum"])
     kd = (x["kbuf"] * _decay_history(x["gbuf"])).transpose(-1, -2)          # [.., K, L]
     uw = (x["ubuf"] * x["w"][..., None]).transpose(-1, -2)                  # [.., V, L]
@@ -148,7 +149,7 @@ def _flush_fp64(inputs: dict, q0: torch.Tensor) -> dict:
     uk = _ordered_matmul(st, qv)
     u_new, q_new = uk.transpose(-1, -2).half(), qv.transpose(-1, -2).half()
     e = s - _ordered_matmul(q_new.double().transpose(-1, -2), u_new.double())
-    s_k = torch.sqrt(_ordered_sum(e.abs(), -2) / s.shape[-2]).clamp_min(EPS)
+    s_k = torch.sqrt(_ordered_sum(e.abs(), -2) * (1.0 / s.shape[-2])).clamp_min(EPS)      # 1/V: a power of 2
     s_v = (e.abs() / s_k[..., None, :]).amax(-1).clamp_min(EPS)
     codes = torch.round(e / (s_k[..., None, :] * s_v[..., :, None]) * QMAX).clamp(-QMAX, QMAX)
     return {"codes": codes.to(torch.int8), "s_k": s_k.float(), "s_v": s_v.float(), "u": u_new, "q": q_new}

@@ -1,0 +1,150 @@
+"""python -m harness.report [--check]: rebuild LEADERBOARD.md (and its plot) from traces/.
+
+Per solution and batch size: status over the families, median latency, its ratio to the memory floor, speedup over
+`reference` and the worst-head ratio; per solution: the geometric-mean speedup and fast_p (the share of workloads
+that pass and are more than p times faster than the reference). Only timed traces (a GPU's) count. `--check` exits 1
+when the committed LEADERBOARD.md differs from what the traces give (a stale leaderboard)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from tabulate import tabulate
+
+from harness.traces import TRACES
+
+LEADERBOARD = Path("LEADERBOARD.md")
+PLOT = Path("leaderboard.png")
+FAST_P = (1, 10, 30, 100)
+
+
+def load_all(root: Path = TRACES) -> list[dict]:
+    """Every timed trace under root (CPU traces, with no latency, are left out)."""
+    out = []
+    for path in sorted(Path(root).glob("*/*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                t = json.loads(line)
+                perf = t["evaluation"].get("performance") or {}
+                if t["evaluation"]["status"] != "PASSED" or perf.get("latency_ms"):
+                    if not t["evaluation"]["environment"]["hardware"].startswith("CPU"):
+                        out.append(t)
+    return out
+
+
+def _batch(t: dict) -> int:
+    return t["workload"]["axes"]["batch_size"]
+
+
+def _geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def build(traces: list[dict]) -> tuple[str, dict]:
+    """The leaderboard's markdown and the plot's series {solution: [(batch, median latency ms)]} (+ 'floor')."""
+    by_def = defaultdict(list)
+    for t in traces:
+        by_def[t["definition"]].append(t)
+    series: dict = {}
+    parts = ["# Leaderboard", "",
+                     "Rebuilt from `traces/` by `python -m harness.report`; CI fails when this file is stale. "
+                     "Latency: median over the input families of each family's median kernel time (L2-cold, "
+                     "`harness/timing.py`); x floor: latency over the memory floor (every byte read and written once "
+                     "at the measured copy rate); speedup: over `reference` on the same workloads.", ""]
+
+    for definition, ts in sorted(by_def.items()):
+        parts += [f"## {definition}", "", f"![latency against batch size]({PLOT.as_posix()})", ""]
+        summary, rows = [], []
+        envs = {json.dumps(t["evaluation"]["environment"], sort_keys=True) for t in ts}
+        solutions = sorted({t["solution"] for t in ts}, key=lambda s: (s != "reference", s))
+        for sol in solutions:
+            mine = [t for t in ts if t["solution"] == sol]
+            speedups = [t["evaluation"]["performance"]["speedup_factor"] for t in mine
+                        if t["evaluation"]["status"] == "PASSED" and t["evaluation"]["performance"]["speedup_factor"]]
+            fast = [sum(1 for t in mine if t["evaluation"]["status"] == "PASSED"
+                        and t["evaluation"]["performance"]["speedup_factor"] > p) / len(mine) for p in FAST_P]
+            g = _geomean(speedups)
+            summary.append([sol, len(mine), sum(t["evaluation"]["status"] == "PASSED" for t in mine),
+                            f"{g:.2f}" if g else "-"] + [f"{f:.2f}" for f in fast])
+            for b in sorted({_batch(t) for t in mine}):
+                at = [t for t in mine if _batch(t) == b]
+                passed = [t for t in at if t["evaluation"]["status"] == "PASSED"]
+                failed = sorted({t["evaluation"]["status"] for t in at} - {"PASSED"})
+                status = "PASSED" if not failed else ", ".join(failed) + f" ({len(at) - len(passed)}/{len(at)})"
+                lat = statistics.median(t["evaluation"]["performance"]["latency_ms"] for t in passed) if passed else None
+                floor = statistics.median(t["evaluation"]["performance"]["floor_ms"] for t in passed) if passed else None
+                ratios = [t["evaluation"]["correctness"]["extra"].get("worst_head_ratio") for t in passed]
+                ratios = [r for r in ratios if r is not None]
+                sp = _geomean([t["evaluation"]["performance"]["speedup_factor"] for t in passed
+                               if t["evaluation"]["performance"]["speedup_factor"]])
+                rows.append([sol, b, status, f"{lat * 1e3:.1f}" if lat else "-",
+                             f"{lat / floor:.2f}" if lat and floor else "-", f"{sp:.1f}" if sp else "-",
+                             f"{max(ratios):.4f}" if ratios else "-"])
+                if lat:
+                    series.setdefault(sol, []).append((b, lat))
+                    series.setdefault("memory floor", [])
+                    if floor and b not in dict(series["memory floor"]):
+                        series["memory floor"].append((b, floor))
+        parts += ["### Summary", "",
+                  tabulate(summary, headers=["solution", "workloads", "passed", "geomean speedup"]
+                           + [f"fast_{p}" for p in FAST_P], tablefmt="github", disable_numparse=True), "",
+                  "### Per batch size", "",
+                  tabulate(rows, headers=["solution", "B", "status", "latency us", "x floor", "speedup",
+                                          "worst-head ratio"], tablefmt="github", disable_numparse=True), "",
+                  "### Environment", ""]
+        for env in sorted(envs):
+            e = json.loads(env)
+            parts.append(f"- {e['hardware']}: " + ", ".join(f"{k} {v}" for k, v in sorted(e["libs"].items())))
+        parts.append("")
+    if not traces:
+        parts += ["No timed traces yet: run `python -m harness.run --device cuda` on a GPU.", ""]
+    return "\n".join(parts), series
+
+
+def plot(series: dict, path: Path = PLOT) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for name, points in sorted(series.items()):
+        points = sorted(points)
+        style = dict(color="black", linestyle="--") if name == "memory floor" else dict(marker="o")
+        ax.plot([b for b, _ in points], [ms * 1e3 for _, ms in points], label=name, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size (x 32 heads)")
+    ax.set_ylabel("median latency (us)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Software": None})
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if LEADERBOARD.md is stale; write nothing")
+    p.add_argument("--traces", default=str(TRACES))
+    args = p.parse_args(argv)
+    text, series = build(load_all(Path(args.traces)))
+    if args.check:
+        current = LEADERBOARD.read_text() if LEADERBOARD.exists() else ""
+        if current != text:
+            print("LEADERBOARD.md is stale: run `python -m harness.report` and commit it", file=sys.stderr)
+            return 1
+        print("LEADERBOARD.md is up to date")
+        return 0
+    LEADERBOARD.write_text(text)
+    if series:
+        plot(series)
+    print(f"wrote {LEADERBOARD}" + (f" and {PLOT}" if series else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

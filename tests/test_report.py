@@ -1,0 +1,44 @@
+"""The leaderboard: built from traces, the committed one current."""
+import json
+from pathlib import Path
+
+from harness import report
+
+
+def _trace(solution, batch, family, latency, ref, status="PASSED", ratio=1.002, hardware="NVIDIA_H200"):
+    ev = {"status": status, "environment": {"hardware": hardware, "libs": {"torch": "2.11"}},
+          "timestamp": "2026-12-02T00:00:00+00:00", "log": ""}
+    if status == "PASSED":
+        ev["correctness"] = {"max_relative_error": 0.01, "max_absolute_error": 0.1,
+                             "extra": {"family": family, "worst_head_ratio": ratio}}
+        ev["performance"] = {"latency_ms": latency, "reference_latency_ms": ref, "speedup_factor": ref / latency,
+                             "floor_ms": 0.025}
+    return {"definition": "d", "workload": {"uuid": f"{batch}-{family}", "axes": {"batch_size": batch},
+                                            "inputs": {}}, "solution": solution, "evaluation": ev}
+
+
+def test_summary_and_rows():
+    traces = [_trace("reference", 64, f, 3.0, 3.0) for f in ("a", "b")]
+    traces += [_trace("fast", 64, "a", 0.05, 3.0, ratio=1.004), _trace("fast", 64, "b", 0.1, 3.0)]
+    traces += [_trace("fast", 128, "a", None, None, status="TIMEOUT")]
+    text, series = report.build(traces)
+    summary = next(line for line in text.splitlines() if line.startswith("| fast "))
+    cells = [c.strip() for c in summary.strip("|").split("|")]
+    # 3 workloads, 2 passed; speedups 60 and 30: geomean 42.43; fast_1 = fast_10 = fast_30 share 2/3 (30 is not > 30)
+    assert cells == ["fast", "3", "2", "42.43", "0.67", "0.67", "0.33", "0.00"]
+    row64 = next(line for line in text.splitlines() if line.startswith("| fast ") and "| 64 " in line)
+    assert "| PASSED " in row64 and "| 75.0 " in row64 and "| 3.00 " in row64 and "1.0040" in row64
+    assert "TIMEOUT (1/1)" in text
+    assert sorted(series) == ["fast", "memory floor", "reference"]
+
+
+def test_cpu_traces_left_out(tmp_path):
+    (tmp_path / "d").mkdir()
+    lines = [_trace("x", 1, "a", 0.0, 0.0, hardware="CPU_x86_64"), _trace("x", 1, "b", 0.5, 1.0)]
+    (tmp_path / "d" / "x.jsonl").write_text("".join(json.dumps(t) + "\n" for t in lines))
+    assert [t["evaluation"]["environment"]["hardware"] for t in report.load_all(tmp_path)] == ["NVIDIA_H200"]
+
+
+def test_committed_leaderboard_is_current():
+    text, _ = report.build(report.load_all())
+    assert Path("LEADERBOARD.md").read_text() == text, "stale: run `python -m harness.report` and commit"

@@ -1,0 +1,59 @@
+"""The CLI as users call it: every solution folder passes every family on CPU, and bad input exits cleanly."""
+import json
+
+import pytest
+
+from conftest import DEFINITION
+from harness import run
+from harness.definition import find_definition
+from harness.solutions import discover, load_solution
+
+SOLUTIONS = discover(find_definition(DEFINITION))
+
+
+@pytest.mark.parametrize("name", SOLUTIONS)
+def test_solution_passes_every_family_on_cpu(name, capsys):
+    sol = load_solution(name, find_definition(DEFINITION))
+    if sol.language == "cuda":
+        pytest.skip("CUDA sources are checked by their compile test; they need a GPU to run")
+    code = run.main(["--solution", name, "--device", "cpu", "--batch-sizes", "1,2", "--no-traces"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count(" PASSED ") >= 8, out
+
+
+def test_failing_solution_exits_nonzero_and_others_still_run(tmp_path, monkeypatch, capsys):
+    from conftest import make_solution
+    root = tmp_path / "solutions"
+    make_solution(root, "broken", "def run(*x):\n    raise RuntimeError('kaput')\n")
+    make_solution(root, "fine", "from flush import run as flush\n\ndef run(*x):\n    return flush(*x)\n")
+    monkeypatch.setattr(run, "load_solution", lambda n, d: load_solution(n, d, root))
+    code = run.main(["--solution", "broken", "--solution", "fine", "--device", "cpu", "--batch-sizes", "1",
+                     "--families", "edge", "--no-traces"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "RUNTIME_ERROR" in out and "RuntimeError: kaput" in out and "Traceback" not in out
+    assert [line.split()[3] for line in out.splitlines() if line.startswith(("broken ", "fine "))] == \
+        ["RUNTIME_ERROR", "PASSED"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--solution", "nope"], "no such solution"),
+    (["--batch-sizes", "3"], "no workload with batch_size=3"),
+    (["--families", "gaussian"], "no workload of family 'gaussian'"),
+    (["--definition", "other"], "no definition named 'other'"),
+])
+def test_bad_arguments_one_line(argv, message, capsys):
+    assert run.main(argv + ["--device", "cpu", "--no-traces"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_cpu_run_writes_traces_when_asked(tmp_path, capsys):
+    assert run.main(["--solution", "torch_v1", "--device", "cpu", "--batch-sizes", "1", "--families", "random",
+                     "--traces", str(tmp_path)]) == 0
+    [line] = (tmp_path / DEFINITION / "torch_v1.jsonl").read_text().splitlines()
+    trace = json.loads(line)
+    assert trace["evaluation"]["status"] == "PASSED" and trace["solution"] == "torch_v1"
+    assert trace["evaluation"]["performance"]["latency_ms"] == 0.0          # judged, not timed
+    assert trace["evaluation"]["correctness"]["extra"]["family"] == "random"

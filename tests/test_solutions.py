@@ -1,0 +1,68 @@
+"""Solution folders: loading, the built-in reference, value-returning and destination-passing entry points."""
+import json
+
+import pytest
+import torch
+
+from conftest import make_solution
+from harness.ops import leapquant_kda_flush as op
+from harness.solutions import REFERENCE, SolutionError, discover, load_entry, load_solution
+
+
+def test_discover_lists_reference_first(defn):
+    names = discover(defn)
+    assert names[0] == REFERENCE and "torch_v1" in names
+
+
+def test_value_returning_and_destination_passing_agree(defn, tmp_path):
+    make_solution(tmp_path, "dps", "from flush import run as flush\n\n"
+                  "def run(*args):\n    inputs, outputs = args[:11], args[11:]\n"
+                  "    for o, r in zip(outputs, flush(*inputs)):\n        o.copy_(r)\n", dps=True)
+    axes = defn.resolve_axes({"batch_size": 1})
+    x = op.make_inputs("edge", axes, 3)
+    by_value = load_entry(load_solution("torch_v1", defn), defn)(x, axes)
+    by_dest = load_entry(load_solution("dps", defn, tmp_path), defn)(x, axes)
+    assert all(torch.equal(a, b) for a, b in zip(by_value, by_dest))
+    ref = load_entry(load_solution(REFERENCE, defn), defn)(x, axes)
+    assert [t.shape for t in ref] == [t.shape for t in by_value]
+
+
+def _broken(tmp_path, mutate):
+    folder = make_solution(tmp_path, "broken", "def run(*a):\n    pass\n")
+    raw = json.loads((folder / "solution.json").read_text())
+    mutate(raw, folder)
+    (folder / "solution.json").write_text(json.dumps(raw))
+    return folder
+
+
+MALFORMED = {
+    "entry point form": (lambda r, f: r["spec"].update(entry_point="main.run"), "'spec.entry_point'"),
+    "entry not a source": (lambda r, f: r["spec"].update(entry_point="other.py::run"), "'spec.entry_point'"),
+    "language": (lambda r, f: r["spec"].update(language="rust"), "'spec.language'"),
+    "missing source": (lambda r, f: r["sources"].append({"path": "gone.py"}), "'sources[2].path'"),
+    "escaping source": (lambda r, f: r["sources"].append({"path": "../x.py"}), "'sources[2].path'"),
+    "no author": (lambda r, f: r.pop("author"), "'author'"),
+    "name mismatch": (lambda r, f: r.update(name="other"), "'name'"),
+    "other definition": (lambda r, f: r.update(definition="gemm"), "'definition'"),
+    "dps not bool": (lambda r, f: r["spec"].update(destination_passing_style="yes"),
+                     "'spec.destination_passing_style'"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_solution_json(defn, tmp_path, case):
+    mutate, field = MALFORMED[case]
+    folder = _broken(tmp_path, mutate)
+    with pytest.raises(SolutionError) as err:
+        load_solution("broken", defn, tmp_path)
+    assert str(folder / "solution.json") in str(err.value) and field in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_and_invalid_json(defn, tmp_path):
+    with pytest.raises(SolutionError, match="no such solution"):
+        load_solution("nothing", defn, tmp_path)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "solution.json").write_text("{")
+    with pytest.raises(SolutionError, match="not valid JSON"):
+        load_solution("bad", defn, tmp_path)
