@@ -16,6 +16,7 @@ solution is imported and `tampered()` reports any the solution replaced.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -28,34 +29,32 @@ INPUT_SETS = 4
 SAMPLED_PROGRAMS = 16
 IMPOSSIBLE_FRACTION = 0.9       # a median below this fraction of the memory floor cannot be real
 
-_GUARDED = {
-    "torch.cuda.Event": lambda: torch.cuda.Event,
-    "torch.cuda.CUDAGraph": lambda: torch.cuda.CUDAGraph,
-    "torch.cuda.graph": lambda: torch.cuda.graph,
-    "torch.cuda.synchronize": lambda: torch.cuda.synchronize,
-    "torch.cuda.Event.record": lambda: torch.cuda.Event.record,
-    "torch.cuda.Event.elapsed_time": lambda: torch.cuda.Event.elapsed_time,
-    "torch.cuda.CUDAGraph.replay": lambda: torch.cuda.CUDAGraph.replay,
-    "time.perf_counter": lambda: time.perf_counter,
-}
+_GUARDED = ("torch.cuda.Event", "torch.cuda.Event.record", "torch.cuda.Event.elapsed_time", "torch.cuda.CUDAGraph",
+            "torch.cuda.CUDAGraph.replay", "torch.cuda.graph", "torch.cuda.synchronize", "time.perf_counter",
+            "harness.timing.time_calls", "harness.timing.permuted", "harness.timing.tampered")
 _originals: dict[str, object] = {}
+
+
+def _resolve(path: str):
+    """The object at a dotted path, through the longest prefix that is a loaded module (None if gone)."""
+    parts = path.split(".")
+    i = next(i for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in sys.modules)
+    obj = sys.modules[".".join(parts[:i])]
+    for name in parts[i:]:
+        obj = getattr(obj, name, None)
+    return obj
 
 
 def guard() -> None:
     """Remember the timing functions as they are before any solution code runs."""
-    import harness.timing as me
-    _originals.update({name: get() for name, get in _GUARDED.items()})
-    _originals.update({f"harness.timing.{n}": getattr(me, n) for n in ("time_calls", "tampered", "permuted")})
+    _originals.update({path: _resolve(path) for path in _GUARDED})
 
 
 def tampered() -> str | None:
     """The name of a guarded function the solution replaced, if any."""
-    import harness.timing as me
-    current = {name: get() for name, get in _GUARDED.items()}
-    current.update({f"harness.timing.{n}": getattr(me, n) for n in ("time_calls", "tampered", "permuted")})
-    for name, original in _originals.items():
-        if current[name] is not original:
-            return name
+    for path, original in _originals.items():
+        if _resolve(path) is not original:
+            return path
     return None
 
 

@@ -67,3 +67,17 @@ def test_floor_matches_operator_md(defn):
     axes = defn.resolve_axes({"batch_size": 64})
     nbytes = runner.floor_ms(defn, axes, bandwidth=1e3)          # at 1 kB/s a byte takes a millisecond
     assert nbytes == pytest.approx(51776 * 64 * 32 + 128 * 4 * 4)
+
+
+CHEATS_ON_CPU = {
+    "returns_inputs": (runner.INCORRECT_NUMERICAL, "ratio"),
+    "modifies_inputs": (runner.RUNTIME_ERROR, "modified its input 'codes'"),
+    "patches_timer": (runner.RUNTIME_ERROR, "the solution replaced torch.cuda.Event"),
+}
+
+
+@pytest.mark.parametrize("cheat", CHEATS_ON_CPU)
+def test_cheat_rejected_on_cpu(defn, small, cheat):
+    status, log = CHEATS_ON_CPU[cheat]
+    [result] = runner.evaluate(defn, load_solution(cheat, defn, "tests/cheats"), small, "cpu", timeout_s=60)
+    assert result.status == status and log in result.log, (result.status, result.log)
