@@ -1,0 +1,31 @@
+"""The export loads with flashinfer-bench's own data models (from the dev extra)."""
+import json
+
+import pytest
+
+from harness.export import export
+from harness.solutions import discover
+
+fib = pytest.importorskip("flashinfer_bench.data", reason="flashinfer-bench comes with the dev extra")
+
+
+def test_flashinfer_bench_loads_the_export(defn, tmp_path):
+    counts = export(tmp_path)
+    ts = fib.TraceSet.from_path(str(tmp_path))
+    assert defn.name in ts.definitions
+    assert ts.definitions[defn.name].op_type == "leapquant_kda_flush"
+    names = {s.name for s in ts.solutions.get(defn.name, [])}
+    assert names == set(discover(defn)) - {"reference"}
+    assert len(ts.workloads[defn.name]) == counts["workloads"] == 32
+    assert len(ts.traces.get(defn.name, [])) == counts["traces"]
+    for s in ts.solutions[defn.name]:
+        assert all(src.content for src in s.sources)
+
+
+def test_cpu_trace_validates(defn, tmp_path):
+    """A judged-but-untimed trace and a failing one are valid FlashInfer-bench Trace records."""
+    from harness import run
+    assert run.main(["--solution", "torch_v1", "--device", "cpu", "--batch-sizes", "1", "--families", "edge",
+                     "--traces", str(tmp_path)]) == 0
+    for line in (tmp_path / defn.name / "torch_v1.jsonl").read_text().splitlines():
+        fib.Trace.model_validate(json.loads(line))
