@@ -266,7 +266,6 @@ def _time_one(defn, op, worker: Worker, pristine: dict, result: Result, bandwidt
             return
     result.latency_ms = t.median_ms
     result.floor_ms = floor_ms(defn, axes, bandwidth)
-    result.log = t.note
     if result.latency_ms < timing.IMPOSSIBLE_FRACTION * result.floor_ms:
         result.status = RUNTIME_ERROR
         result.log = (f"median {result.latency_ms * 1e3:.1f} us is below {timing.IMPOSSIBLE_FRACTION}x the memory "

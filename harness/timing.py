@@ -1,9 +1,9 @@
 """The one timer: kernel time on the GPU timeline, L2-cold, on inputs that change before every call.
 
 Each call is a CUDA-graph replay (captured once per input set after warm-up) between two CUDA events on the
-replay stream, so work the solution forks onto other streams is inside the graph and counted, and work it leaves
-outside the graph (a side stream it never joins) never reaches the outputs and fails the judge. A solution that
-cannot be captured is timed eagerly, its end event recorded after a device-wide synchronisation.
+replay stream, so work the solution forks onto other streams and joins is inside the graph and counted, and work
+it leaves outside (a side stream it never joins, a host synchronisation) breaks the capture: such a solution is
+refused with `NotCapturable`, as serving engines replay the flush inside a graph too.
 
 Before every timed call, outside the timed region: the input set about to be used is refilled in place with a
 fresh permutation of the workload's programs (so no output can be replayed from an earlier call), its output
@@ -58,11 +58,13 @@ def tampered() -> str | None:
     return None
 
 
+class NotCapturable(Exception):
+    pass
+
+
 @dataclass
 class Timing:
     latencies_ms: list[float]
-    graph: bool                      # timed as CUDA-graph replays (else eagerly, with a device sync)
-    note: str = ""
 
     @property
     def median_ms(self) -> float:
@@ -96,7 +98,7 @@ def time_calls(call: Callable, base: dict, axes: dict, batched: tuple[str, ...],
 
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    graphs, outputs, note = [], [], ""
+    graphs, outputs = [], []
     with torch.cuda.stream(stream):
         for s in sets:
             for _ in range(2):
@@ -109,39 +111,31 @@ def time_calls(call: Callable, base: dict, axes: dict, batched: tuple[str, ...],
                     out = call(s, axes)
                 graphs.append(g)
                 outputs.append(out)
-        except Exception as e:  # noqa: BLE001 - not capturable: time eagerly instead
-            graphs, outputs = [], []
-            note = f"not graph-capturable ({type(e).__name__}): timed eagerly with a device sync"
-            torch.cuda.synchronize(device)
+        except Exception as e:  # noqa: BLE001 - the solution's launch pattern, reported as its error
+            raise NotCapturable(f"not CUDA-graph capturable ({type(e).__name__}: {' '.join(str(e).split())[:160]});"
+                                " launch on the current stream, join side streams, no host synchronisation") from None
 
         latencies, samples, last = [], [], None
         for k in range(WARMUP_CALLS + timed_calls):
             i = k % INPUT_SETS
             perm = draw_perm()
             permuted(base, batched, n_prefix, perm, sets[i])
-            if graphs:
-                _poison(outputs[i])
+            _poison(outputs[i])
             scratch.fill_(k & 0xFF)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            if graphs:
-                graphs[i].replay()
-                out = outputs[i]
-            else:
-                out = call(sets[i], axes)
-                torch.cuda.synchronize(device)
+            graphs[i].replay()
             end.record(stream)
             if k < WARMUP_CALLS:
                 continue
             latencies.append((start, end))
             sample = torch.randint(n_programs, (SAMPLED_PROGRAMS,), generator=gen).to(device)
             samples.append((perm, sample, tuple(t.reshape(-1, *t.shape[n_prefix:]).index_select(0, sample).clone()
-                                               for t in out)))
+                                               for t in outputs[i])))
             if k == WARMUP_CALLS + timed_calls - 1:
-                last = (perm, tuple(t.clone() for t in out))
+                last = (perm, tuple(t.clone() for t in outputs[i]))
     torch.cuda.synchronize(device)
-    timing = Timing([s.elapsed_time(e) for s, e in latencies], bool(graphs), note)
-    return timing, samples, last
+    return Timing([s.elapsed_time(e) for s, e in latencies]), samples, last
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 5) -> float:

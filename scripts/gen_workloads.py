@@ -1,7 +1,7 @@
 """Write the definition's workload file and blobs: one FlashInfer-bench workload line per (batch size, family).
 
     python scripts/gen_workloads.py                       # every family at batch sizes 1, 2, 16, ..., 512
-    python scripts/gen_workloads.py --batch-sizes 1,2     # a subset (the JSONL then lists only those)
+    python scripts/gen_workloads.py --families trajectory # redo some lines; the others stay as they are
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import HarnessError  # noqa: E402
 from harness.definition import find_definition  # noqa: E402
 from harness.ops import load_op  # noqa: E402
-from harness.workloads import BASE_SEED, DEFAULT_BATCH_SIZES, make_workload, save_workloads, workloads_path  # noqa: E402
+from harness.workloads import BASE_SEED, DEFAULT_BATCH_SIZES, load_workloads, make_workload, save_workloads, \
+    workloads_path  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -38,8 +39,14 @@ def main(argv=None) -> int:
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    save_workloads(workloads_path(defn), workloads)
-    print(f"wrote {workloads_path(defn)} ({len(workloads)} workloads)")
+    path = workloads_path(defn)
+    redone = {(w.family, tuple(w.axes.items())) for w in workloads}
+    kept = load_workloads(defn) if path.exists() else []
+    merged = [w for w in kept if (w.family, tuple(w.axes.items())) not in redone] + workloads
+    order = {f: i for i, f in enumerate(load_op(defn.op_type).FAMILIES)}
+    merged.sort(key=lambda w: (tuple(w.axes.values()), order[w.family]))
+    save_workloads(path, merged)
+    print(f"wrote {path} ({len(merged)} workloads, {len(workloads)} new)")
     return 0
 
 

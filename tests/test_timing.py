@@ -44,13 +44,13 @@ def test_honest_solution_timed_above_the_floor(defn, gpu_workloads):
         assert r.floor_ms < r.latency_ms < 1e3
 
 
-CHEATS_ON_GPU = {
-    "replay_by_shape": "timed call",
-    "first_call_only": "timed call",
-    "side_stream": "",
-    "returns_inputs": "ratio",
-    "modifies_inputs": "modified its input",
-    "patches_timer": "replaced torch.cuda.Event",
+CHEATS_ON_GPU = {                   # a cheat that caches across workloads is caught by the untimed check as well
+    "replay_by_shape": ("timed call", "ratio", "non-finite", "has shape"),
+    "first_call_only": ("timed call", "ratio", "non-finite", "has shape"),
+    "side_stream": ("not CUDA-graph capturable",),
+    "returns_inputs": ("ratio",),
+    "modifies_inputs": ("modified its input",),
+    "patches_timer": ("replaced torch.cuda.Event",),
 }
 
 
@@ -59,4 +59,4 @@ CHEATS_ON_GPU = {
 def test_cheat_rejected_on_gpu(defn, gpu_workloads, cheat):
     results = runner.evaluate(defn, load_solution(cheat, defn, "tests/cheats"), gpu_workloads, "cuda")
     assert all(r.status != runner.PASSED for r in results), [(r.status, r.log) for r in results]
-    assert all(CHEATS_ON_GPU[cheat] in r.log for r in results), [r.log for r in results]
+    assert all(any(m in r.log for m in CHEATS_ON_GPU[cheat]) for r in results), [r.log for r in results]

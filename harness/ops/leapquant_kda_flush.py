@@ -27,7 +27,8 @@ EXACT_CAP = 1e-3        # almost exactly, and the candidate's error is capped at
 FAMILIES = ("edge", "second_window", "random", "trajectory")
 EDGE_KINDS = ("generic", "rank1", "rank2", "zero", "tiny", "tinier", "huge", "hot_row", "decayed", "no_decay",
               "split_decades")
-TRAJECTORY_WINDOWS = 4  # windows streamed through the flush before the one the workload holds
+TRAJECTORY_WINDOWS = 4
+DEPENDENT_COLUMN = 1e-9  # generator's Gram-Schmidt: a remainder below this fraction of column 0 is noise  # windows streamed through the flush before the one the workload holds
 CHECKPOINT = ("codes", "s_k", "s_v", "u", "q")
 WINDOW = ("kbuf", "ubuf", "gbuf", "w", "pcum")
 DTYPES = {"codes": torch.int8, "s_k": torch.float32, "s_v": torch.float32, "u": torch.float16, "q": torch.float16,
@@ -121,15 +122,20 @@ def exact_state(inputs: dict) -> torch.Tensor:
 
 
 def _mgs2(m: torch.Tensor) -> torch.Tensor:
-    """Modified Gram-Schmidt on the columns of m [..., n, R], projections applied twice (the reference's `_mgs`)."""
-    cols = []
+    """Modified Gram-Schmidt on the columns of m [..., n, R], projections applied twice (the reference's `_mgs`),
+    except that a column left with less than DEPENDENT_COLUMN of the first column's norm becomes zero instead of
+    being normalised: the direction of such a remainder is rounding noise, and noise would make the generated
+    checkpoint of a rank-deficient head depend on the last bit of every operation before it."""
+    cols, first = [], None
     for j in range(m.shape[-1]):
         v = m[..., j]
         for _ in range(2):
             for c in cols:
                 v = v - c * _ordered_sum(c * v, -1)[..., None]
-        norm = torch.sqrt(_ordered_sum(v * v, -1)).clamp_min(1e-30)
-        cols.append(v / norm[..., None])
+        norm = torch.sqrt(_ordered_sum(v * v, -1))
+        first = norm if first is None else first
+        keep = norm > DEPENDENT_COLUMN * first
+        cols.append(torch.where(keep[..., None], v / norm.clamp_min(1e-30)[..., None], 0.0))
     return torch.stack(cols, -1)
 
 
