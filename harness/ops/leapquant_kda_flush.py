@@ -324,7 +324,7 @@ def make_inputs(family: str, axes: dict, seed: int, device="cpu") -> dict[str, t
         checkpoint, window, q0 = _trajectory(d, B, H, V, K, L, R)
     else:
         raise ValueError(f"unknown input family {family!r} (known: {', '.join(FAMILIES)})")
-    return {**checkpoint, **window, "q0": q0.to(DTYPES["q0"])}
+    return {k: v.contiguous() for k, v in {**checkpoint, **window, "q0": q0.to(DTYPES["q0"])}.items()}
 
 
 # ----------------------------------------------------------------------------------------------- the criterion

@@ -11,24 +11,35 @@ with a 32-wide factor index f:
     f in [20, 24):  A[:, f] = lo(q_{f-20})              B[f] = u_{f-20} * exp(pcum)
     f in [24, 32):  zero while rebuilding S; hi/lo(q_new) against -u_new for the residual E = S - q_new^T u_new
 A holds only bf16-exact values (ubuf is bf16, an fp16 q is hi + lo exactly); B is fp32 and goes to the tensor cores
-as a bf16 hi + lo pair.  The three subspace products use the factored form on tensor cores (codes are exact in
-bf16; the vector operand is a hi/lo pair in the columns 0-3 / 4-7 of a [*, 16] tile; the two halves are summed when
-the four result vectors are extracted).  The residual is rebuilt twice in row chunks of VC rows (once for s_k,
-once for s_v and the codes).  q_new and u_new are stored before the residual passes and read back (after a CTA
-barrier) to build the chunks of A and the rows 24-31 of B.
+as a three-way bf16 split (hi + mid + lo, 24 bits: two-way splits fail the criterion on the hot-row heads).
+The three subspace products use the factored form, chunked over 32 rows (columns) of V (K):
+    S^T x = B^T (A^T x) + cs * codes^T (s_v x),        S z = A (B z) + s_v * codes (cs z)
+The codes and A products run on tensor cores (codes are exact in bf16; the four vectors are a three-way split in the
+columns 0-3 / 4-7 / 8-11 of a [*, 16] tile, summed when the result vectors are extracted); the B parts are fp32 FMAs.
+The vectors the chunked loops read (cs * qk, qv) go through the head's own codes_new region as fp32 scratch (the last
+pass overwrites it), behind a CTA barrier.  MGS2 runs on four 1-D vectors.  The residual is rebuilt twice in row
+chunks of VC rows (once for s_k, once for s_v and the codes).  q_new and u_new are stored before the residual passes
+and read back (after a CTA barrier) to build the chunks of A and the rows 24-31 of B.
+
+Config (fixed): 4 warps, num_stages 1, VC = PC = 32, L2 prefetch of the codes and ubuf lines at entry, and a
+128-register cap (4 programs per SM).  NOTES.md has the measurements.
 
 TC (constexpr): True on the GPU (bf16 tensor-core dots); False under the interpreter, where the same bf16-valued
 operands stay fp32 and the dots run in ieee fp32 (the interpreter mishandles bf16 tl.dot).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-QMAX = tl.constexpr(127.0)
-EPS = tl.constexpr(1e-12)
 
 NUM_WARPS = 4
+NUM_STAGES = 1
+MAXNREG = 128    # register cap (ptxas): 4 programs per SM instead of 2, at the cost of a few spills
 VC = 32          # rows per residual chunk
+PC = 32          # rows (columns) of V (K) per chunk of the subspace products
+PF = 1           # prefetch the codes and ubuf at the start: 0 no, 1 to L2, 2 to L1
 
 
 @triton.jit
@@ -73,6 +84,17 @@ def _col(t, c16, j: tl.constexpr):
 
 
 @triton.jit
+def _prefetch(ptrs, PF: tl.constexpr):
+    """Ask for the lines at ptrs (one pointer a 128-byte line) ahead of their first use (GPU only)."""
+    if PF == 1:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    elif PF == 2:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _normalize(v):
     n = tl.sqrt(tl.sum(v * v, axis=0))
     n = tl.maximum(n, 1e-30)
@@ -110,10 +132,30 @@ def _mgs2(a0, a1, a2, a3):
 
 
 @triton.jit
-def _st_product(a_full, bf, cb, xt, sv, cs, c16, TC: tl.constexpr):
-    """S^T X for the four vectors held in xt ([V, 16], x_{c % 4} in the columns c < 12)."""
-    g = _mm(tl.trans(a_full), _split3(xt, c16), TC)                 # [F, 16]  A^T X  (A exact)
-    rc = _mm(tl.trans(cb), _split3(sv[:, None] * xt, c16), TC)      # [K, 16]  codes^T (s_v X)
+def _load_a(ubuf_h, q_h, rv, f, V: tl.constexpr, L: tl.constexpr):
+    """A [V, 32]: ubuf in the columns 0-15, the exact bf16 hi / lo parts of q in 16-19 / 20-23, zero beyond."""
+    ub = tl.load(ubuf_h + f[None, :] * V + rv[:, None], mask=f[None, :] < L, other=0.0).to(tl.float32)
+    qa = tl.load(q_h + (f[None, :] % 4) * V + rv[:, None], mask=(f[None, :] >= 16) & (f[None, :] < 24),
+                 other=0.0).to(tl.float32)
+    qhi = _bf(qa)
+    return ub + tl.where(f[None, :] >= 20, qa - qhi, qhi)
+
+
+@triton.jit
+def _st_product(x_ptr, sxv, sxj, ubuf_h, q_h, codes_h, sv_h, bf, cs, c16, f, rk,
+                V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, PC: tl.constexpr, TC: tl.constexpr):
+    """S^T x_j (j < 4) for vectors x_j[v] at x_ptr + v * sxv + j * sxj, in chunks of PC rows of V:
+    S^T x = B^T (A^T x) + cs * codes^T (s_v x)."""
+    g = tl.zeros([32, 16], dtype=tl.float32)
+    rc = tl.zeros([K, 16], dtype=tl.float32)
+    for v0 in range(0, V, PC):
+        rv = v0 + tl.arange(0, PC)
+        xt = tl.load(x_ptr + rv[:, None] * sxv + (c16[None, :] % 4) * sxj, mask=c16[None, :] < 12, other=0.0)
+        svc = tl.load(sv_h + rv)
+        a_c = _load_a(ubuf_h, q_h, rv, f, V, L)                                  # [PC, 32]
+        g += _mm(tl.trans(a_c), _split3(xt, c16), TC)                            # [32, 16]  A^T X (A exact)
+        cd = tl.load(codes_h + rv[:, None] * K + rk[None, :])                    # [PC, K] int8
+        rc += _mm(tl.trans(cd), _split3(svc[:, None] * xt, c16), TC)             # [K, 16]  codes^T (s_v X)
     o0 = cs * _col(rc, c16, 0) + tl.sum(bf * _col(g, c16, 0)[:, None], axis=0)
     o1 = cs * _col(rc, c16, 1) + tl.sum(bf * _col(g, c16, 1)[:, None], axis=0)
     o2 = cs * _col(rc, c16, 2) + tl.sum(bf * _col(g, c16, 2)[:, None], axis=0)
@@ -122,15 +164,21 @@ def _st_product(a_full, bf, cb, xt, sv, cs, c16, TC: tl.constexpr):
 
 
 @triton.jit
-def _s_product(a_full, bf, cb, z0, z1, z2, z3, sv, cs, c16, TC: tl.constexpr):
-    """S Z for four vectors over K."""
-    h0 = tl.sum(bf * z0[None, :], axis=1)                           # [F]  B z_j  (fp32)
+def _s_product(z_ptr, z0, z1, z2, z3, ubuf_h, q_h, codes_h, bf, sv, c16, f, rv,
+               V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, PC: tl.constexpr, TC: tl.constexpr):
+    """S z_j for the vectors z_j over K (in registers; cs * z_j also at z_ptr + j * K + k), in chunks of PC
+    columns of K:  S z = A (B z) + s_v * codes (cs z)."""
+    h0 = tl.sum(bf * z0[None, :], axis=1)                                        # [32]  B z_j  (fp32)
     h1 = tl.sum(bf * z1[None, :], axis=1)
     h2 = tl.sum(bf * z2[None, :], axis=1)
     h3 = tl.sum(bf * z3[None, :], axis=1)
-    t = _mm(a_full, _split3(_assemble(h0, h1, h2, h3, c16), c16), TC)          # [V, 16]  A (B Z)
-    zt = _assemble(z0, z1, z2, z3, c16)
-    rc = _mm(cb, _split3(cs[:, None] * zt, c16), TC)                          # [V, 16]  codes (cs Z)
+    t = _mm(_load_a(ubuf_h, q_h, rv, f, V, L), _split3(_assemble(h0, h1, h2, h3, c16), c16), TC)   # [V, 16]
+    rc = tl.zeros([V, 16], dtype=tl.float32)
+    for k0 in range(0, K, PC):
+        rkc = k0 + tl.arange(0, PC)
+        zt = tl.load(z_ptr + rkc[:, None] + (c16[None, :] % 4) * K, mask=c16[None, :] < 12, other=0.0)
+        cd = tl.load(codes_h + rv[:, None] * K + rkc[None, :])                   # [V, PC] int8
+        rc += _mm(cd, _split3(zt, c16), TC)                                      # [V, 16]  codes (cs Z)
     o0 = sv * _col(rc, c16, 0) + _col(t, c16, 0)
     o1 = sv * _col(rc, c16, 1) + _col(t, c16, 1)
     o2 = sv * _col(rc, c16, 2) + _col(t, c16, 2)
@@ -165,7 +213,7 @@ def _residual_chunk(v0, codes_h, sv_h, ubuf_h, q_h, qn_h, bh, bm, bl, cs, rk,
 def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, gbuf_ptr, w_ptr, pcum_ptr, q0_ptr,
                   codes_out, sk_out, sv_out, u_out, q_out,
                   V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, R: tl.constexpr, VC: tl.constexpr,
-                  TC: tl.constexpr):
+                  PC: tl.constexpr, TC: tl.constexpr, PF: tl.constexpr):
     tl.static_assert(L == 16)
     tl.static_assert(R == 4)
     pid = tl.program_id(0).to(tl.int64)
@@ -191,9 +239,14 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     fr = f % 4
     c16 = tl.arange(0, 16)
 
+    # ---- the codes (16 KB) and ubuf (4 KB) are first read chunk by chunk: ask for all their lines now
+    if TC:
+        _prefetch(codes_h + tl.arange(0, (V * K) // 128) * 128, PF)
+        _prefetch(ubuf_h + tl.arange(0, (L * V * 2) // 128) * 64, PF)
+
     # ---- per-head vectors
     e = tl.exp(tl.load(pcum_h + rk))
-    cs = tl.load(sk_h + rk) * (1.0 / QMAX) * e                                           # [K]
+    cs = tl.load(sk_h + rk) * (1.0 / 127.0) * e                                          # [K]
     sv = tl.load(sv_h + rv)                                                              # [V]
 
     # ---- B [32, K] (rows 24-31 zero while rebuilding S)
@@ -205,27 +258,30 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
                  other=0.0).to(tl.float32)
     b = wv[:, None] * kb * dec + uu * e[None, :]
 
-    # ---- A [V, 32] (bf16-exact; columns 24-31 zero)
-    ub = tl.load(ubuf_h + f[None, :] * V + rv[:, None], mask=f[None, :] < L, other=0.0).to(tl.float32)
-    qa = tl.load(q_h + fr[None, :] * V + rv[:, None], mask=(f[None, :] >= 16) & (f[None, :] < 24),
-                 other=0.0).to(tl.float32)
-    qhi = _bf(qa)
-    a_full = ub + tl.where(f[None, :] >= 20, qa - qhi, qhi)
-
-    # ---- codes (int8; exact as bf16 in the dots)
-    cb = tl.load(codes_h + rv[:, None] * K + rk[None, :])
+    # scratch for the vectors the chunked products read back: the head's codes_new region (16 KB, written
+    # only by the last pass), as fp32: [0, 512) cs * qk_j over K, [512, 1024) qv_j over V
+    scr = codes_o.to(tl.pointer_type(tl.float32))
 
     # ---- 1. qk = MGS2(S^T q0)
-    x = tl.load(q0_ptr + rv[:, None] * R + (c16[None, :] % 4), mask=c16[None, :] < 12, other=0.0)  # [V, 16]
-    a0, a1, a2, a3 = _st_product(a_full, b, cb, x, sv, cs, c16, TC)
+    a0, a1, a2, a3 = _st_product(q0_ptr, R, 1, ubuf_h, q_h, codes_h, sv_h, b, cs, c16, f, rk, V, K, L, PC, TC)
     k0, k1, k2, k3 = _mgs2(a0, a1, a2, a3)
 
     # ---- 2. qv = MGS2(S qk)
-    b0, b1, b2, b3 = _s_product(a_full, b, cb, k0, k1, k2, k3, sv, cs, c16, TC)
+    tl.store(scr + 0 * K + rk, cs * k0)
+    tl.store(scr + 1 * K + rk, cs * k1)
+    tl.store(scr + 2 * K + rk, cs * k2)
+    tl.store(scr + 3 * K + rk, cs * k3)
+    tl.debug_barrier()
+    b0, b1, b2, b3 = _s_product(scr, k0, k1, k2, k3, ubuf_h, q_h, codes_h, b, sv, c16, f, rv, V, K, L, PC, TC)
     v0, v1, v2, v3 = _mgs2(b0, b1, b2, b3)
 
     # ---- 3. uk = S^T qv
-    u0, u1, u2, u3 = _st_product(a_full, b, cb, _assemble(v0, v1, v2, v3, c16), sv, cs, c16, TC)
+    tl.store(scr + 512 + 0 * V + rv, v0)
+    tl.store(scr + 512 + 1 * V + rv, v1)
+    tl.store(scr + 512 + 2 * V + rv, v2)
+    tl.store(scr + 512 + 3 * V + rv, v3)
+    tl.debug_barrier()
+    u0, u1, u2, u3 = _st_product(scr + 512, 1, V, ubuf_h, q_h, codes_h, sv_h, b, cs, c16, f, rk, V, K, L, PC, TC)
 
     tl.store(q_o + 0 * V + rv, v0.to(tl.float16))
     tl.store(q_o + 1 * V + rv, v1.to(tl.float16))
@@ -246,12 +302,12 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     bl = _bf(br - bm)
 
     # pass 1: s_k = sqrt(mean_v |E|)
-    absacc = tl.zeros([VC, K], dtype=tl.float32)
+    colsum = tl.zeros([K], dtype=tl.float32)
     for v0c in range(0, V, VC):
         ec = _residual_chunk(v0c, codes_h, sv_h, ubuf_h, q_h, q_o, bh, bm, bl, cs, rk, V, K, VC, TC)
-        absacc += tl.abs(ec)
-    sk_new = tl.sqrt(tl.sum(absacc, axis=0) * (1.0 / V))
-    sk_new = tl.maximum(sk_new, EPS)
+        colsum += tl.sum(tl.abs(ec), axis=0)
+    sk_new = tl.sqrt(colsum * (1.0 / V))
+    sk_new = tl.maximum(sk_new, 1e-12)
     tl.store(sk_o + rk, sk_new)
     inv_sk = 1.0 / sk_new
 
@@ -259,9 +315,9 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     for v0c in range(0, V, VC):
         ec = _residual_chunk(v0c, codes_h, sv_h, ubuf_h, q_h, q_o, bh, bm, bl, cs, rk, V, K, VC, TC)
         t = ec * inv_sk[None, :]
-        svn = tl.maximum(tl.max(tl.abs(t), axis=1), EPS)
-        y = t * (QMAX / svn)[:, None]
-        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        svn = tl.maximum(tl.max(tl.abs(t), axis=1), 1e-12)
+        y = t * (127.0 / svn)[:, None]
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
         # round half to even: exact for |y| < 2^22 (1.5 * 2^23 magic), integer read off the low mantissa bits
         ir = (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
         rvc = v0c + tl.arange(0, VC)
@@ -280,7 +336,11 @@ def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0):
     s_v_new = torch.empty((B, H, V), dtype=torch.float32, device=dev)
     u_new = torch.empty((B, H, R, K), dtype=torch.float16, device=dev)
     q_new = torch.empty((B, H, R, V), dtype=torch.float16, device=dev)
+    # the tensor-core form only where the kernel really compiles for the GPU (not under TRITON_INTERPRET)
+    on_gpu = dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    extra = {"maxnreg": MAXNREG} if on_gpu else {}
     if B * H > 0:
         _flush_kernel[(B * H,)](*ins, codes_new, s_k_new, s_v_new, u_new, q_new,
-                                V=V, K=K, L=L, R=R, VC=VC, TC=(dev.type == "cuda"), num_warps=NUM_WARPS)
+                                V=V, K=K, L=L, R=R, VC=VC, PC=PC, TC=on_gpu, PF=PF,
+                                num_warps=NUM_WARPS, num_stages=NUM_STAGES, **extra)
     return codes_new, s_k_new, s_v_new, u_new, q_new
