@@ -50,7 +50,8 @@ def _one_line(e: BaseException) -> str:
 
 def _worker(conn, sol: Solution, defn: Definition, env: dict) -> None:
     """Child process: load the solution, then answer ("run", inputs, axes) with its outputs and
-    ("time", inputs, axes, seed) with timing.time_calls' results (all tensors sent back on the CPU)."""
+    ("time", inputs, axes, batched, n_prefix, perms, samples) with timing.time_calls' results (tensors sent back
+    on the CPU)."""
     os.environ.update(env)
     timing.guard()
     try:
@@ -243,17 +244,20 @@ def _time_one(defn, op, worker: Worker, pristine: dict, result: Result, bandwidt
     """Time the solution, judge the outputs of the timed calls, and refuse a physically impossible median."""
     axes = defn.resolve_axes(result.workload.axes)
     batched, n_prefix = program_layout(defn)
+    n_programs = math.prod(pristine[batched[0]].shape[:n_prefix])
+    perms, samples = timing.schedule(n_programs, result.workload.seed)
     status, payload = worker.call("time", {k: v.clone() for k, v in pristine.items()}, axes, batched, n_prefix,
-                                  result.workload.seed)
+                                  perms, samples)
     if status != "ok":
         result.status, result.log = status, f"while timing: {payload}"
         return
-    t, samples, (last_perm, last_outputs) = payload
+    t, sampled, last_outputs = payload
     device = next(iter(pristine.values())).device
     reference = defn.reference_run()
     flat = {k: (v.reshape(-1, *v.shape[n_prefix:]) if k in batched else v) for k, v in pristine.items()}
-    checks = [(perm[sample], outs) for perm, sample, outs in samples]
-    checks.append((last_perm, last_outputs))
+    timed_perms = perms[timing.WARMUP_CALLS:]
+    checks = [(perm[sample], outs) for perm, sample, outs in zip(timed_perms, samples, sampled)]
+    checks.append((timed_perms[-1], last_outputs))
     for k, (programs, outs) in enumerate(checks):
         programs = programs.to(device)
         inputs = {n: (v.index_select(0, programs)[None] if n in batched else v) for n, v in flat.items()}

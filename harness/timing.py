@@ -10,8 +10,11 @@ fresh permutation of the workload's programs (so no output can be replayed from 
 buffers are poisoned (NaN; -128 for integers) and the L2 is flushed by a write twice its size. The outputs of every
 timed call are sampled for the judge, and the last call's outputs are returned whole.
 
-This module runs in the solution's worker process; `guard()` captures the functions it relies on before the
-solution is imported and `tampered()` reports any the solution replaced.
+Trust: the judge runs in the parent process, out of the solution's reach, and so does the schedule (which programs
+each call sees and which are sampled). The timer itself has to run where the graph is captured, in the solution's
+worker process (a CUDA graph cannot be replayed from another process, and interprocess CUDA events carry no
+timing); `guard()` records the functions it relies on before the solution is imported and `tampered()` reports any
+the solution replaced, which the runner turns into a RUNTIME_ERROR.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ IMPOSSIBLE_FRACTION = 0.9       # a median below this fraction of the memory flo
 
 _GUARDED = ("torch.cuda.Event", "torch.cuda.Event.record", "torch.cuda.Event.elapsed_time", "torch.cuda.CUDAGraph",
             "torch.cuda.CUDAGraph.replay", "torch.cuda.graph", "torch.cuda.synchronize", "time.perf_counter",
-            "harness.timing.time_calls", "harness.timing.permuted", "harness.timing.tampered")
+            "torch.Tensor.index_select", "torch.Tensor.copy_", "harness.timing.time_calls",
+            "harness.timing.permuted", "harness.timing.tampered")
 _originals: dict[str, object] = {}
 
 
@@ -84,14 +88,20 @@ def _poison(outputs) -> None:
         t.fill_(float("nan") if t.is_floating_point() else (torch.iinfo(t.dtype).min if t.dtype != torch.bool else 0))
 
 
-def time_calls(call: Callable, base: dict, axes: dict, batched: tuple[str, ...], n_prefix: int, seed: int,
-               timed_calls: int = TIMED_CALLS) -> tuple[Timing, list, tuple]:
-    """Time `call(inputs, axes)` on the GPU. Returns the timing, one (perm, sample, sampled outputs) record per timed
-    call and the last call's (perm, outputs)."""
-    device = next(iter(base.values())).device
-    n_programs = base[batched[0]].shape[:n_prefix].numel()
+def schedule(n_programs: int, seed: int, timed_calls: int = TIMED_CALLS):
+    """The program permutation of every call (warm-up first) and the programs sampled from each timed call. Drawn
+    by the parent, which judges with its own copy: the solution's process cannot choose what it is checked on."""
     gen = torch.Generator().manual_seed(seed)
-    draw_perm = lambda: torch.randperm(n_programs, generator=gen).to(device)  # noqa: E731
+    perms = [torch.randperm(n_programs, generator=gen) for _ in range(WARMUP_CALLS + timed_calls)]
+    samples = [torch.randint(n_programs, (SAMPLED_PROGRAMS,), generator=gen) for _ in range(timed_calls)]
+    return perms, samples
+
+
+def time_calls(call: Callable, base: dict, axes: dict, batched: tuple[str, ...], n_prefix: int,
+               perms: list[torch.Tensor], samples: list[torch.Tensor]) -> tuple[Timing, list, tuple]:
+    """Time `call(inputs, axes)` on the GPU, call k on base permuted by perms[k]. Returns the timing, the sampled
+    outputs of every timed call (programs samples[j] of call WARMUP_CALLS + j) and the last call's outputs."""
+    device = next(iter(base.values())).device
     sets = [{k: v.clone() for k, v in base.items()} for _ in range(INPUT_SETS)]
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     scratch = torch.empty(max(2 * l2, 1 << 27), dtype=torch.uint8, device=device)
@@ -115,11 +125,10 @@ def time_calls(call: Callable, base: dict, axes: dict, batched: tuple[str, ...],
             raise NotCapturable(f"not CUDA-graph capturable ({type(e).__name__}: {' '.join(str(e).split())[:160]});"
                                 " launch on the current stream, join side streams, no host synchronisation") from None
 
-        latencies, samples, last = [], [], None
-        for k in range(WARMUP_CALLS + timed_calls):
+        latencies, sampled = [], []
+        for k, perm in enumerate(perms):
             i = k % INPUT_SETS
-            perm = draw_perm()
-            permuted(base, batched, n_prefix, perm, sets[i])
+            permuted(base, batched, n_prefix, perm.to(device), sets[i])
             _poison(outputs[i])
             scratch.fill_(k & 0xFF)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -129,13 +138,12 @@ def time_calls(call: Callable, base: dict, axes: dict, batched: tuple[str, ...],
             if k < WARMUP_CALLS:
                 continue
             latencies.append((start, end))
-            sample = torch.randint(n_programs, (SAMPLED_PROGRAMS,), generator=gen).to(device)
-            samples.append((perm, sample, tuple(t.reshape(-1, *t.shape[n_prefix:]).index_select(0, sample).clone()
-                                               for t in outputs[i])))
-            if k == WARMUP_CALLS + timed_calls - 1:
-                last = (perm, tuple(t.clone() for t in outputs[i]))
+            sample = samples[k - WARMUP_CALLS].to(device)
+            sampled.append(tuple(t.reshape(-1, *t.shape[n_prefix:]).index_select(0, sample).clone()
+                                 for t in outputs[i]))
+        last = tuple(t.clone() for t in outputs[(len(perms) - 1) % INPUT_SETS])
     torch.cuda.synchronize(device)
-    return Timing([s.elapsed_time(e) for s, e in latencies]), samples, last
+    return Timing([s.elapsed_time(e) for s, e in latencies]), sampled, last
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 5) -> float:

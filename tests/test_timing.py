@@ -60,3 +60,12 @@ def test_cheat_rejected_on_gpu(defn, gpu_workloads, cheat):
     results = runner.evaluate(defn, load_solution(cheat, defn, "tests/cheats"), gpu_workloads, "cuda")
     assert all(r.status != runner.PASSED for r in results), [(r.status, r.log) for r in results]
     assert all(any(m in r.log for m in CHEATS_ON_GPU[cheat]) for r in results), [r.log for r in results]
+
+
+def test_schedule_is_the_parents_and_reproducible():
+    perms, samples = timing.schedule(64, seed=5)
+    assert len(perms) == timing.WARMUP_CALLS + timing.TIMED_CALLS and len(samples) == timing.TIMED_CALLS
+    assert all(torch.equal(p.sort().values, torch.arange(64)) for p in perms)
+    assert len({tuple(p.tolist()) for p in perms}) == len(perms)          # a fresh permutation every call
+    again, _ = timing.schedule(64, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(perms, again))
