@@ -25,14 +25,12 @@ INCORRECT_NUMERICAL = "INCORRECT_NUMERICAL"
 RUNTIME_ERROR = "RUNTIME_ERROR"
 COMPILE_ERROR = "COMPILE_ERROR"
 TIMEOUT = "TIMEOUT"
-STATUSES = (PASSED, INCORRECT_SHAPE, INCORRECT_DTYPE, INCORRECT_NUMERICAL, RUNTIME_ERROR, COMPILE_ERROR, TIMEOUT)
 
 
 @dataclass
 class Result:
     solution: str
     workload: Workload
-    device: str
     status: str
     log: str = ""
     verdict: Verdict | None = None
@@ -95,7 +93,7 @@ class Worker:
     """A solution's process. `call` returns ("ok", outputs) or (status, one-line log)."""
 
     def __init__(self, sol: Solution, defn: Definition, device: str, timeout_s: float):
-        self.sol, self.defn, self.device, self.timeout_s = sol, defn, device, timeout_s
+        self.sol, self.defn, self.timeout_s = sol, defn, timeout_s
         self.env = {"TRITON_INTERPRET": "1"} if device == "cpu" and sol.language == "triton" else {}
         self.proc = None
         self.load_error: str | None = None
@@ -200,7 +198,7 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
     results = []
     try:
         for w in workloads:
-            result = Result(sol.name, w, device, PASSED)
+            result = Result(sol.name, w, PASSED)
             try:
                 pristine = load_inputs(defn, w, device)
             except HarnessError as e:

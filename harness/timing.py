@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
+import time  # noqa: F401 - loaded for the guard's time.perf_counter
 from dataclasses import dataclass
 from typing import Callable
 

@@ -1,6 +1,5 @@
 """Workload lines, on-demand blobs and their hashes."""
 import json
-import shutil
 
 import pytest
 import torch

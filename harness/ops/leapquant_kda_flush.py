@@ -114,11 +114,15 @@ def decode_checkpoint(codes, s_k, s_v, u, q) -> torch.Tensor:
 
 def exact_state(inputs: dict) -> torch.Tensor:
     """The state the flush must quantize, rebuilt in fp64 from the inputs."""
-    x = {k: inputs[k].double() for k in CHECKPOINT + WINDOW}
-    old = decode_checkpoint(*(x[k] for k in CHECKPOINT))
+    return _advance(decode_checkpoint(*(inputs[k] for k in CHECKPOINT)), inputs)
+
+
+def _advance(state: torch.Tensor, window: dict) -> torch.Tensor:
+    """An fp64 state decayed over one window and given its updates: S exp(pcum) + sum_j w_j ubuf_j (kbuf_j D_j)^T."""
+    x = {k: window[k].double() for k in WINDOW}
     kd = x["kbuf"] * _decay_history(x["gbuf"])
-    window = torch.einsum("...j,...jv,...jk->...vk", x["w"], x["ubuf"], kd)
-    return old * torch.exp(x["pcum"])[..., None, :] + window
+    updates = torch.einsum("...j,...jv,...jk->...vk", x["w"], x["ubuf"], kd)
+    return state * torch.exp(x["pcum"])[..., None, :] + updates
 
 
 def _mgs2(m: torch.Tensor) -> torch.Tensor:
@@ -297,13 +301,17 @@ def _kda_window(d: _Draws, B, H, V, K, L) -> dict:
     }
 
 
+def _empty_checkpoint(B, H, V, K, R, device) -> dict:
+    zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=device)  # noqa: E731
+    return _cast({"codes": zeros(B, H, V, K), "s_k": zeros(B, H, K) + EPS, "s_v": zeros(B, H, V) + EPS,
+                  "u": zeros(B, H, R, K), "q": zeros(B, H, R, V)})
+
+
 def _trajectory(d: _Draws, B, H, V, K, L, R) -> tuple[dict, dict, torch.Tensor]:
     """Start from an empty checkpoint and stream TRAJECTORY_WINDOWS windows through the flush, feeding each
     checkpoint back; the workload is the last checkpoint with one more window."""
     q0 = _q0(d, V, R)
-    zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=d.device)  # noqa: E731
-    checkpoint = _cast({"codes": zeros(B, H, V, K), "s_k": zeros(B, H, K) + EPS, "s_v": zeros(B, H, V) + EPS,
-                        "u": zeros(B, H, R, K), "q": zeros(B, H, R, V)})
+    checkpoint = _empty_checkpoint(B, H, V, K, R, d.device)
     for _ in range(TRAJECTORY_WINDOWS):
         checkpoint = _flush_fp64({**checkpoint, **_cast(_kda_window(d, B, H, V, K, L))}, q0)
     return checkpoint, _cast(_kda_window(d, B, H, V, K, L)), q0
@@ -325,6 +333,31 @@ def make_inputs(family: str, axes: dict, seed: int, device="cpu") -> dict[str, t
     else:
         raise ValueError(f"unknown input family {family!r} (known: {', '.join(FAMILIES)})")
     return {k: v.contiguous() for k, v in {**checkpoint, **window, "q0": q0.to(DTYPES["q0"])}.items()}
+
+
+# ----------------------------------------------------------------------------------------------- drift
+def drift(flush, reference, axes: dict, windows: int, seed: int, device="cpu"):
+    """Stream `windows` trajectory-family windows through two pipelines that feed their checkpoints back, the
+    candidate `flush` and `reference` (each called with the 11 inputs, returning the 5 outputs), from an empty
+    checkpoint. Yields per window the mean decoded error of each against the exactly propagated fp64 state, their
+    ratio and the worst per-head ratio (heads the format captures almost exactly, as in the criterion, left out)."""
+    B, H, V, K, L, R = _dims(axes)
+    d = _Draws(seed, torch.device(device))
+    q0 = _q0(d, V, R).to(DTYPES["q0"])
+    candidate = reference_checkpoint = _empty_checkpoint(B, H, V, K, R, d.device)
+    state = torch.zeros((B, H, V, K), dtype=torch.float64, device=d.device)
+    for t in range(windows):
+        window = _cast(_kda_window(d, B, H, V, K, L))
+        state = _advance(state, window)
+        candidate = dict(zip(CHECKPOINT, flush(**candidate, **window, q0=q0)))
+        reference_checkpoint = dict(zip(CHECKPOINT, reference(**reference_checkpoint, **window, q0=q0)))
+        err = head_errors([candidate[k] for k in CHECKPOINT], state)
+        err_ref = head_errors([reference_checkpoint[k] for k in CHECKPOINT], state)
+        judged = err_ref >= EXACT_HEAD * state.abs().mean((-2, -1))
+        worst = float((err / err_ref)[judged].max()) if judged.any() else None
+        yield {"window": t, "error": float(err.mean()), "reference_error": float(err_ref.mean()),
+               "ratio": float(err.mean() / err_ref.mean()) if err_ref.mean() > 0 else 1.0,
+               "worst_head_ratio": worst}
 
 
 # ----------------------------------------------------------------------------------------------- the criterion

@@ -1,0 +1,75 @@
+"""python -m harness.drift --solution NAME [--windows 64] [--batch-size 1] [--device auto|cuda|cpu]: feed each
+flush's checkpoint back with a fresh window, for many windows, and compare the accuracy with the reference pipeline
+run on the same windows. Prints one row per window; exits 1 when any window's error ratio exceeds the limit, 2 on
+bad input. The operator module supplies the stream (`drift`); the solution runs in its own worker process."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tabulate import tabulate
+
+from harness import HarnessError
+from harness.definition import find_definition
+from harness.ops import load_op
+from harness.run import DEFAULT_DEFINITION, resolve_device
+from harness.runner import Worker
+from harness.solutions import load_solution
+
+RATIO_LIMIT = 1.01
+DRIFT_SEED = 20261203
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.drift", description=__doc__.split(":")[0])
+    p.add_argument("--solution", required=True)
+    p.add_argument("--windows", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--definition", default=DEFAULT_DEFINITION)
+    p.add_argument("--seed", type=int, default=DRIFT_SEED)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per flush before giving up")
+    args = p.parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+        defn = find_definition(args.definition)
+        op = load_op(defn.op_type)
+        if not hasattr(op, "drift"):
+            raise HarnessError(f"operator {defn.op_type!r} defines no drift stream")
+        sol = load_solution(args.solution, defn)
+        axes = defn.resolve_axes({"batch_size": args.batch_size})
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    worker = Worker(sol, defn, device, args.timeout)
+
+    def flush(**inputs):
+        status, payload = worker.call("run", inputs, axes)
+        if status != "ok":
+            raise HarnessError(f"{sol.name}: {status}: {payload}")
+        return tuple(t.to(device) for t in payload[0])
+
+    print(f"{sol.name}: {args.windows} windows at batch_size={args.batch_size} on {device}", flush=True)
+    rows = []
+    try:
+        for row in op.drift(flush, defn.reference_run(), axes, args.windows, args.seed, device):
+            rows.append(row)
+            w = row["worst_head_ratio"]
+            print(f"  window {row['window']:3d}: error {row['error']:.4g} reference {row['reference_error']:.4g} "
+                  f"ratio {row['ratio']:.4f}" + (f" worst head {w:.4f}" if w is not None else ""), flush=True)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        worker.stop()
+    worst = max(rows, key=lambda r: r["ratio"])
+    print()
+    print(tabulate([[r["window"], f"{r['error']:.4g}", f"{r['reference_error']:.4g}", f"{r['ratio']:.4f}",
+                     f"{r['worst_head_ratio']:.4f}" if r["worst_head_ratio"] is not None else "-"] for r in rows],
+                   headers=["window", "error", "reference error", "ratio", "worst-head ratio"], disable_numparse=True))
+    print(f"\nworst window {worst['window']}: ratio {worst['ratio']:.4f} (limit {RATIO_LIMIT})")
+    return 0 if worst["ratio"] <= RATIO_LIMIT else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
