@@ -96,25 +96,25 @@ def main(argv=None) -> int:
         for sol in [s for s in solutions if s.language == "cuda"]:
             print(f"skipping {sol.name}: a CUDA solution needs a GPU", flush=True)
         solutions = [s for s in solutions if s.language != "cuda"]
-        names = [s.name for s in solutions]
     timed = device == "cuda"
     trace_root = None if args.no_traces else Path(args.traces) if args.traces else traces.TRACES if timed else None
     env = traces.environment(device)
     print(f"{defn.name}: {len(solutions)} solution(s) x {len(workloads)} workload(s) on {device} "
           f"({env['hardware']})", flush=True)
+    # speedups need the reference's latency on the same workloads and hardware: from its traces, else timed now
     reference_ms = {}
-    if timed and trace_root is not None and REFERENCE not in names:
-        for w in workloads:
-            reference_ms[w.uuid] = traces.reference_latency(defn.name, w.uuid, env["hardware"], trace_root)
-        missing = [w for w in workloads if reference_ms[w.uuid] is None]
-        if missing:
-            print(f"timing the reference on {len(missing)} workload(s) for the speedups", flush=True)
-            names, solutions = [REFERENCE] + names, [load_solution(REFERENCE, defn)] + solutions
+    if timed and trace_root is not None and all(s.name != REFERENCE for s in solutions):
+        reference_ms = {w.uuid: traces.reference_latency(defn.name, w.uuid, env["hardware"], trace_root)
+                        for w in workloads}
+        if None in reference_ms.values():
+            print("timing the reference too, for the speedups", flush=True)
+            solutions.insert(0, load_solution(REFERENCE, defn))
     results: list[Result] = []
     for sol in solutions:
-        done = evaluate(defn, sol, workloads if sol.name != REFERENCE or not reference_ms else
-                        [w for w in workloads if reference_ms[w.uuid] is None],
-                        device, args.timeout, on_result=_progress(len(workloads)), timed=timed)
+        todo = workloads
+        if sol.name == REFERENCE and reference_ms:
+            todo = [w for w in workloads if reference_ms[w.uuid] is None]
+        done = evaluate(defn, sol, todo, device, args.timeout, on_result=_progress(len(todo)), timed=timed)
         if sol.name == REFERENCE:
             reference_ms.update({r.workload.uuid: r.latency_ms for r in done})
         if trace_root is not None:
