@@ -16,6 +16,9 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from harness import HarnessError
+from harness.definition import find_definition
+from harness.solutions import load_solution, source_sha256
 from harness.traces import TRACES
 
 LEADERBOARD = Path("LEADERBOARD.md")
@@ -45,8 +48,32 @@ def _geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
-def build(traces: list[dict]) -> tuple[str, dict]:
-    """The leaderboard's markdown and the plot's series {solution: [(batch, median latency ms)]} (+ 'floor')."""
+def sources_state(traces: list[dict], current: str | None) -> str:
+    """Whether a solution's traces were measured on its current sources (by the hash each trace records)."""
+    measured = {t.get("solution_sha256") for t in traces}
+    if current is None:
+        return "removed"
+    if None in measured:
+        return "unrecorded"
+    return "current" if measured == {current} else "older: re-run"
+
+
+def current_hashes(traces: list[dict]) -> dict[str, str | None]:
+    """(definition, solution) -> the sha256 of the solution's sources now (None when it no longer loads)."""
+    out = {}
+    for definition, solution in {(t["definition"], t["solution"]) for t in traces}:
+        try:
+            defn = find_definition(definition)
+            out[definition, solution] = source_sha256(load_solution(solution, defn), defn)
+        except HarnessError:
+            out[definition, solution] = None
+    return out
+
+
+def build(traces: list[dict], current: dict | None = None) -> tuple[str, dict]:
+    """The leaderboard's markdown and the plot's series {solution: [(batch, median latency ms)]} (+ 'floor').
+    `current` maps (definition, solution) to its sources' hash now (default: read from the repository)."""
+    current = current_hashes(traces) if current is None else current
     by_def = defaultdict(list)
     for t in traces:
         by_def[t["definition"]].append(t)
@@ -55,7 +82,8 @@ def build(traces: list[dict]) -> tuple[str, dict]:
                      "Rebuilt from `traces/` by `python -m harness.report`; CI fails when this file is stale. "
                      "Latency: median over the input families of each family's median kernel time (L2-cold, "
                      "`harness/timing.py`); x floor: latency over the memory floor (every byte read and written once "
-                     "at the measured copy rate); speedup: over `reference` on the same workloads.", ""]
+                     "at the measured copy rate); speedup: over `reference` on the same workloads. Measured sources: "
+             "whether the traces were taken on the solution's sources as they are now.", ""]
 
     for definition, ts in sorted(by_def.items()):
         parts += [f"## {definition}", "", f"![latency against batch size]({PLOT.as_posix()})", ""]
@@ -69,7 +97,8 @@ def build(traces: list[dict]) -> tuple[str, dict]:
             fast = [sum(1 for t in mine if t["evaluation"]["status"] == "PASSED"
                         and t["evaluation"]["performance"]["speedup_factor"] > p) / len(mine) for p in FAST_P]
             g = _geomean(speedups)
-            summary.append([sol, len(mine), sum(t["evaluation"]["status"] == "PASSED" for t in mine),
+            summary.append([sol, sources_state(mine, current.get((definition, sol))), len(mine),
+                            sum(t["evaluation"]["status"] == "PASSED" for t in mine),
                             f"{g:.2f}" if g else "-"] + [f"{f:.2f}" for f in fast])
             for b in sorted({_batch(t) for t in mine}):
                 at = [t for t in mine if _batch(t) == b]
@@ -91,7 +120,7 @@ def build(traces: list[dict]) -> tuple[str, dict]:
                     if floor and b not in dict(series["memory floor"]):
                         series["memory floor"].append((b, floor))
         parts += ["### Summary", "",
-                  tabulate(summary, headers=["solution", "workloads", "passed", "geomean speedup"]
+                  tabulate(summary, headers=["solution", "measured sources", "workloads", "passed", "geomean speedup"]
                            + [f"fast_{p}" for p in FAST_P], tablefmt="github", disable_numparse=True), "",
                   "### Per batch size", "",
                   tabulate(rows, headers=["solution", "B", "status", "latency us", "x floor", "speedup",

@@ -14,7 +14,7 @@ from harness import HarnessError
 from harness.definition import find_definition
 from harness.runner import PASSED, Result, evaluate
 from harness import traces
-from harness.solutions import REFERENCE, discover, load_solution
+from harness.solutions import REFERENCE, discover, load_solution, source_sha256
 from harness.workloads import load_workloads, select
 
 DEFAULT_DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
@@ -118,7 +118,8 @@ def main(argv=None) -> int:
         if sol.name == REFERENCE:
             reference_ms.update({r.workload.uuid: r.latency_ms for r in done})
         if trace_root is not None:
-            records = [traces.trace_record(r, env, reference_ms.get(r.workload.uuid)) for r in done]
+            sha = source_sha256(sol, defn)
+            records = [traces.trace_record(r, env, reference_ms.get(r.workload.uuid), sha) for r in done]
             for path in traces.write_traces(records, trace_root):
                 print(f"  wrote {path}", flush=True)
         results += done

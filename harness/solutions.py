@@ -2,6 +2,7 @@
 callable that returns the outputs in definition order. The definition's reference is the built-in `reference`."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import re
@@ -42,6 +43,17 @@ class Solution:
     @property
     def is_reference(self) -> bool:
         return self.folder is None
+
+
+def source_sha256(sol: Solution, defn: Definition) -> str:
+    """Hash of what runs: the sources' paths and bytes (the definition's reference code for `reference`). Traces
+    record it, so the leaderboard can tell rows measured on older sources."""
+    h = hashlib.sha256()
+    if sol.is_reference:
+        h.update(defn.reference.encode())
+    for path in sorted(sol.sources):
+        h.update(path.encode() + b"\0" + (sol.folder / path).read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def reference_solution(defn: Definition) -> Solution:

@@ -27,7 +27,7 @@ def environment(device: str) -> dict:
     return {"hardware": hardware, "libs": libs}
 
 
-def trace_record(r: Result, env: dict, reference_latency_ms: float | None) -> dict:
+def trace_record(r: Result, env: dict, reference_latency_ms: float | None, source_sha256: str) -> dict:
     w = r.workload
     evaluation = {"status": r.status, "environment": env,
                   "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "log": r.log}
@@ -44,9 +44,8 @@ def trace_record(r: Result, env: dict, reference_latency_ms: float | None) -> di
             "speedup_factor": ref / r.latency_ms if timed and ref else 0.0,
             "floor_ms": r.floor_ms if timed else None,    # ignored by flashinfer-bench, read by the leaderboard
         }
-    line = {"definition": w.definition, "workload": {"uuid": w.uuid, "axes": w.axes, "inputs": w.inputs},
-            "solution": r.solution, "evaluation": evaluation}
-    return line
+    return {"definition": w.definition, "workload": {"uuid": w.uuid, "axes": w.axes, "inputs": w.inputs},
+            "solution": r.solution, "solution_sha256": source_sha256, "evaluation": evaluation}
 
 
 def trace_path(definition: str, solution: str, root: Path = TRACES) -> Path:

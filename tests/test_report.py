@@ -5,7 +5,7 @@ from pathlib import Path
 from harness import report
 
 
-def _trace(solution, batch, family, latency, ref, status="PASSED", ratio=1.002, hardware="NVIDIA_H200"):
+def _trace(solution, batch, family, latency, ref, status="PASSED", ratio=1.002, hardware="NVIDIA_H200", sha="abc"):
     ev = {"status": status, "environment": {"hardware": hardware, "libs": {"torch": "2.11"}},
           "timestamp": "2026-12-02T00:00:00+00:00", "log": ""}
     if status == "PASSED":
@@ -14,22 +14,30 @@ def _trace(solution, batch, family, latency, ref, status="PASSED", ratio=1.002, 
         ev["performance"] = {"latency_ms": latency, "reference_latency_ms": ref, "speedup_factor": ref / latency if latency else 0.0,
                              "floor_ms": 0.025}
     return {"definition": "d", "workload": {"uuid": f"{batch}-{family}", "axes": {"batch_size": batch},
-                                            "inputs": {}}, "solution": solution, "evaluation": ev}
+                                            "inputs": {}}, "solution": solution, "solution_sha256": sha, "evaluation": ev}
 
 
 def test_summary_and_rows():
     traces = [_trace("reference", 64, f, 3.0, 3.0) for f in ("a", "b")]
     traces += [_trace("fast", 64, "a", 0.05, 3.0, ratio=1.004), _trace("fast", 64, "b", 0.1, 3.0)]
     traces += [_trace("fast", 128, "a", None, None, status="TIMEOUT")]
-    text, series = report.build(traces)
+    text, series = report.build(traces, current={("d", "fast"): "abc", ("d", "reference"): "abc"})
     summary = next(line for line in text.splitlines() if line.startswith("| fast "))
     cells = [c.strip() for c in summary.strip("|").split("|")]
     # 3 workloads, 2 passed; speedups 60 and 30: geomean 42.43; fast_1 = fast_10 = fast_30 share 2/3 (30 is not > 30)
-    assert cells == ["fast", "3", "2", "42.43", "0.67", "0.67", "0.33", "0.00"]
+    assert cells == ["fast", "current", "3", "2", "42.43", "0.67", "0.67", "0.33", "0.00"]
     row64 = next(line for line in text.splitlines() if line.startswith("| fast ") and "| 64 " in line)
     assert "| PASSED " in row64 and "| 75.0 " in row64 and "| 3.00 " in row64 and "1.0040" in row64
     assert "TIMEOUT (1/1)" in text
     assert sorted(series) == ["fast", "memory floor", "reference"]
+
+
+def test_sources_state():
+    traces = [_trace("x", 1, "a", 0.5, 1.0, sha="old"), _trace("x", 2, "a", 0.5, 1.0, sha="new")]
+    assert report.sources_state(traces, "new") == "older: re-run"
+    assert report.sources_state(traces[1:], "new") == "current"
+    assert report.sources_state([_trace("x", 1, "a", 0.5, 1.0, sha=None)], "new") == "unrecorded"
+    assert report.sources_state(traces, None) == "removed"
 
 
 def test_cpu_traces_left_out(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 from conftest import DEFINITION
 from harness import run
 from harness.definition import find_definition
-from harness.solutions import discover, load_solution
+from harness.solutions import discover, load_solution, source_sha256
 
 SOLUTIONS = discover(find_definition(DEFINITION))
 
@@ -57,3 +57,5 @@ def test_cpu_run_writes_traces_when_asked(tmp_path, capsys):
     assert trace["evaluation"]["status"] == "PASSED" and trace["solution"] == "torch_v1"
     assert trace["evaluation"]["performance"]["latency_ms"] == 0.0          # judged, not timed
     assert trace["evaluation"]["correctness"]["extra"]["family"] == "random"
+    defn = find_definition(DEFINITION)
+    assert trace["solution_sha256"] == source_sha256(load_solution("torch_v1", defn), defn)

@@ -6,7 +6,7 @@ import torch
 
 from conftest import make_solution
 from harness.ops import leapquant_kda_flush as op
-from harness.solutions import REFERENCE, SolutionError, discover, load_entry, load_solution
+from harness.solutions import REFERENCE, SolutionError, discover, load_entry, load_solution, source_sha256
 
 
 def test_discover_lists_reference_first(defn):
@@ -66,3 +66,13 @@ def test_unknown_and_invalid_json(defn, tmp_path):
     (tmp_path / "bad" / "solution.json").write_text("{")
     with pytest.raises(SolutionError, match="not valid JSON"):
         load_solution("bad", defn, tmp_path)
+
+
+def test_source_hash_follows_the_sources(defn, tmp_path):
+    folder = make_solution(tmp_path, "h", "def run(*x):\n    pass\n")
+    sol = load_solution("h", defn, tmp_path)
+    before = source_sha256(sol, defn)
+    assert source_sha256(sol, defn) == before
+    (folder / "flush.py").write_text((folder / "flush.py").read_text() + "\n# changed\n")
+    assert source_sha256(sol, defn) != before
+    assert source_sha256(load_solution(REFERENCE, defn), defn) != before

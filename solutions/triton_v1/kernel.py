@@ -18,8 +18,12 @@ The codes and A products run on tensor cores (codes are exact in bf16; the four 
 columns 0-3 / 4-7 / 8-11 of a [*, 16] tile, summed when the result vectors are extracted); the B parts are fp32 FMAs.
 The vectors the chunked loops read (cs * qk, qv) go through the head's own codes_new region as fp32 scratch (the last
 pass overwrites it), behind a CTA barrier.  MGS2 runs on four 1-D vectors.  The residual is rebuilt twice in row
-chunks of VC rows (once for s_k, once for s_v and the codes).  q_new and u_new are stored before the residual passes
-and read back (after a CTA barrier) to build the chunks of A and the rows 24-31 of B.
+chunks of VC rows (once for s_k, once for s_v and the codes).  u_new is stored before the residual passes and read
+back (after a CTA barrier) for the rows 24-31 of B.
+Version 2 (NOTES.md; version 1 = commit c779a19): A is built once as bf16 rows in the scratch (bytes [8192, 16384) of
+codes_new; q_new's hi / lo go into its columns 24-31 before the residual) and every chunk loads its rows from there;
+the window rows of B come from a sequential per-thread decay product through the scratch (no block-wide scan);
+pass 1 accumulates |E| elementwise and reduces once; pass 2 rounds with one FFMA and needs no clamp.
 
 Config (fixed): 4 warps, num_stages 1, VC = PC = 32, L2 prefetch of the codes and ubuf lines at entry, and a
 128-register cap (4 programs per SM).  NOTES.md has the measurements.
@@ -142,7 +146,16 @@ def _load_a(ubuf_h, q_h, rv, f, V: tl.constexpr, L: tl.constexpr):
 
 
 @triton.jit
-def _st_product(x_ptr, sxv, sxj, ubuf_h, q_h, codes_h, sv_h, bf, cs, c16, f, rk,
+def _store_qn(ascr, v, rv, j: tl.constexpr):
+    """A's columns 24 + j / 28 + j: the exact bf16 hi / lo parts of the fp16-rounded q_new_j."""
+    qn = v.to(tl.float16).to(tl.float32)
+    hi = _bf(qn)
+    tl.store(ascr + rv * 32 + 24 + j, hi.to(tl.bfloat16))
+    tl.store(ascr + rv * 32 + 28 + j, (qn - hi).to(tl.bfloat16))
+
+
+@triton.jit
+def _st_product(x_ptr, sxv, sxj, ascr, codes_h, sv_h, bf, cs, c16, f, rk,
                 V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, PC: tl.constexpr, TC: tl.constexpr):
     """S^T x_j (j < 4) for vectors x_j[v] at x_ptr + v * sxv + j * sxj, in chunks of PC rows of V:
     S^T x = B^T (A^T x) + cs * codes^T (s_v x)."""
@@ -152,7 +165,7 @@ def _st_product(x_ptr, sxv, sxj, ubuf_h, q_h, codes_h, sv_h, bf, cs, c16, f, rk,
         rv = v0 + tl.arange(0, PC)
         xt = tl.load(x_ptr + rv[:, None] * sxv + (c16[None, :] % 4) * sxj, mask=c16[None, :] < 12, other=0.0)
         svc = tl.load(sv_h + rv)
-        a_c = _load_a(ubuf_h, q_h, rv, f, V, L)                                  # [PC, 32]
+        a_c = tl.load(ascr + rv[:, None] * 32 + f[None, :])                        # [PC, 32] bf16
         g += _mm(tl.trans(a_c), _split3(xt, c16), TC)                            # [32, 16]  A^T X (A exact)
         cd = tl.load(codes_h + rv[:, None] * K + rk[None, :])                    # [PC, K] int8
         rc += _mm(tl.trans(cd), _split3(svc[:, None] * xt, c16), TC)             # [K, 16]  codes^T (s_v X)
@@ -164,7 +177,7 @@ def _st_product(x_ptr, sxv, sxj, ubuf_h, q_h, codes_h, sv_h, bf, cs, c16, f, rk,
 
 
 @triton.jit
-def _s_product(z_ptr, z0, z1, z2, z3, ubuf_h, q_h, codes_h, bf, sv, c16, f, rv,
+def _s_product(z_ptr, z0, z1, z2, z3, ascr, codes_h, bf, sv, c16, f, rv,
                V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, PC: tl.constexpr, TC: tl.constexpr):
     """S z_j for the vectors z_j over K (in registers; cs * z_j also at z_ptr + j * K + k), in chunks of PC
     columns of K:  S z = A (B z) + s_v * codes (cs z)."""
@@ -172,7 +185,7 @@ def _s_product(z_ptr, z0, z1, z2, z3, ubuf_h, q_h, codes_h, bf, sv, c16, f, rv,
     h1 = tl.sum(bf * z1[None, :], axis=1)
     h2 = tl.sum(bf * z2[None, :], axis=1)
     h3 = tl.sum(bf * z3[None, :], axis=1)
-    t = _mm(_load_a(ubuf_h, q_h, rv, f, V, L), _split3(_assemble(h0, h1, h2, h3, c16), c16), TC)   # [V, 16]
+    t = _mm(tl.load(ascr + rv[:, None] * 32 + f[None, :]), _split3(_assemble(h0, h1, h2, h3, c16), c16), TC)   # [V, 16]
     rc = tl.zeros([V, 16], dtype=tl.float32)
     for k0 in range(0, K, PC):
         rkc = k0 + tl.arange(0, PC)
@@ -187,20 +200,13 @@ def _s_product(z_ptr, z0, z1, z2, z3, ubuf_h, q_h, codes_h, bf, sv, c16, f, rv,
 
 
 @triton.jit
-def _residual_chunk(v0, codes_h, sv_h, ubuf_h, q_h, qn_h, bh, bm, bl, cs, rk,
+def _residual_chunk(v0, codes_h, sv_h, ascr, bh, bm, bl, cs, rk,
                     V: tl.constexpr, K: tl.constexpr, VC: tl.constexpr, TC: tl.constexpr):
-    """E rows [v0, v0 + VC) = A_c B + diag(s_v) codes diag(cs), with q_new in A's columns 24-31."""
+    """E rows [v0, v0 + VC) = A_c B + diag(s_v) codes diag(cs), A (with q_new in its columns 24-31) read from the
+    scratch as bf16 rows."""
     rv = v0 + tl.arange(0, VC)
     f = tl.arange(0, 32)
-    fr = f % 4
-    ub = tl.load(ubuf_h + f[None, :] * V + rv[:, None], mask=f[None, :] < 16, other=0.0).to(tl.float32)
-    qa = tl.load(q_h + fr[None, :] * V + rv[:, None], mask=(f[None, :] >= 16) & (f[None, :] < 24),
-                 other=0.0).to(tl.float32)
-    qb = tl.load(qn_h + fr[None, :] * V + rv[:, None], mask=f[None, :] >= 24, other=0.0).to(tl.float32)
-    qq = qa + qb
-    qhi = _bf(qq)
-    lo_col = ((f[None, :] >= 20) & (f[None, :] < 24)) | (f[None, :] >= 28)
-    a_c = ub + tl.where(lo_col, qq - qhi, qhi)
+    a_c = tl.load(ascr + rv[:, None] * 32 + f[None, :])
     acc = _mm(a_c, bh, TC)
     acc += _mm(a_c, bm, TC)
     acc += _mm(a_c, bl, TC)
@@ -250,20 +256,32 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     sv = tl.load(sv_h + rv)                                                              # [V]
 
     # ---- B [32, K] (rows 24-31 zero while rebuilding S)
-    kb = tl.load(kbuf_h + f[:, None] * K + rk[None, :], mask=f[:, None] < L, other=0.0).to(tl.float32)
-    gs = tl.load(gbuf_h + (f[:, None] + 1) * K + rk[None, :], mask=f[:, None] < L - 1, other=1.0).to(tl.float32)
-    dec = tl.cumprod(gs, axis=0, reverse=True)                                          # D_f = prod_{i > f} g_i
-    wv = tl.load(w_h + f, mask=f < L, other=0.0)
+    # scratch: the head's codes_new region (16 KB, written only by the last pass), as fp32:
+    # [0, 512) cs * qk_j over K, [512, 1024) qv_j over V, [2048, 4096) the window rows of B
+    scr = codes_o.to(tl.pointer_type(tl.float32))
+    # window rows w_f kbuf_f D_f, D_f = prod_{i > f} g_i, one 1-D row at a time (a sequential product in each
+    # thread instead of a block-wide scan), through the scratch into the [32, K] tile
+    d = tl.full([K], 1.0, dtype=tl.float32)
+    for jj in tl.static_range(L):
+        j = L - 1 - jj
+        kbj = tl.load(kbuf_h + j * K + rk).to(tl.float32)
+        tl.store(scr + 2048 + j * K + rk, tl.load(w_h + j) * kbj * d)
+        d = d * tl.load(gbuf_h + j * K + rk).to(tl.float32)
+    tl.debug_barrier()
+    kw = tl.load(scr + 2048 + f[:, None] * K + rk[None, :], mask=f[:, None] < L, other=0.0)
     uu = tl.load(u_h + fr[:, None] * K + rk[None, :], mask=(f[:, None] >= 16) & (f[:, None] < 24),
                  other=0.0).to(tl.float32)
-    b = wv[:, None] * kb * dec + uu * e[None, :]
-
-    # scratch for the vectors the chunked products read back: the head's codes_new region (16 KB, written
-    # only by the last pass), as fp32: [0, 512) cs * qk_j over K, [512, 1024) qv_j over V
-    scr = codes_o.to(tl.pointer_type(tl.float32))
+    b = kw + uu * e[None, :]
+    # A [V, 32] as bf16 rows in the scratch bytes [8192, 16384) (over the window rows, now in registers; the
+    # residual's codes stores of a chunk never reach the A rows of a later chunk): ubuf, hi / lo of q, zero in
+    # the columns 24-31 until q_new is known
+    ascr = (codes_o + 8192).to(tl.pointer_type(tl.bfloat16))
+    tl.debug_barrier()
+    tl.store(ascr + rv[:, None] * 32 + f[None, :], _load_a(ubuf_h, q_h, rv, f, V, L).to(tl.bfloat16))
+    tl.debug_barrier()
 
     # ---- 1. qk = MGS2(S^T q0)
-    a0, a1, a2, a3 = _st_product(q0_ptr, R, 1, ubuf_h, q_h, codes_h, sv_h, b, cs, c16, f, rk, V, K, L, PC, TC)
+    a0, a1, a2, a3 = _st_product(q0_ptr, R, 1, ascr, codes_h, sv_h, b, cs, c16, f, rk, V, K, L, PC, TC)
     k0, k1, k2, k3 = _mgs2(a0, a1, a2, a3)
 
     # ---- 2. qv = MGS2(S qk)
@@ -272,7 +290,7 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     tl.store(scr + 2 * K + rk, cs * k2)
     tl.store(scr + 3 * K + rk, cs * k3)
     tl.debug_barrier()
-    b0, b1, b2, b3 = _s_product(scr, k0, k1, k2, k3, ubuf_h, q_h, codes_h, b, sv, c16, f, rv, V, K, L, PC, TC)
+    b0, b1, b2, b3 = _s_product(scr, k0, k1, k2, k3, ascr, codes_h, b, sv, c16, f, rv, V, K, L, PC, TC)
     v0, v1, v2, v3 = _mgs2(b0, b1, b2, b3)
 
     # ---- 3. uk = S^T qv
@@ -281,7 +299,7 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     tl.store(scr + 512 + 2 * V + rv, v2)
     tl.store(scr + 512 + 3 * V + rv, v3)
     tl.debug_barrier()
-    u0, u1, u2, u3 = _st_product(scr + 512, 1, V, ubuf_h, q_h, codes_h, sv_h, b, cs, c16, f, rk, V, K, L, PC, TC)
+    u0, u1, u2, u3 = _st_product(scr + 512, 1, V, ascr, codes_h, sv_h, b, cs, c16, f, rk, V, K, L, PC, TC)
 
     tl.store(q_o + 0 * V + rv, v0.to(tl.float16))
     tl.store(q_o + 1 * V + rv, v1.to(tl.float16))
@@ -291,6 +309,11 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     tl.store(u_o + 1 * K + rk, u1.to(tl.float16))
     tl.store(u_o + 2 * K + rk, u2.to(tl.float16))
     tl.store(u_o + 3 * K + rk, u3.to(tl.float16))
+    tl.debug_barrier()      # every thread's A loads of the last product are done before A's columns 24-31 change
+    _store_qn(ascr, v0, rv, 0)
+    _store_qn(ascr, v1, rv, 1)
+    _store_qn(ascr, v2, rv, 2)
+    _store_qn(ascr, v3, rv, 3)
     tl.debug_barrier()
 
     # ---- residual: B rows 24-31 = -u_new (fp16, hi + lo exact)
@@ -302,10 +325,11 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     bl = _bf(br - bm)
 
     # pass 1: s_k = sqrt(mean_v |E|)
-    colsum = tl.zeros([K], dtype=tl.float32)
+    absacc = tl.zeros([VC, K], dtype=tl.float32)
     for v0c in range(0, V, VC):
-        ec = _residual_chunk(v0c, codes_h, sv_h, ubuf_h, q_h, q_o, bh, bm, bl, cs, rk, V, K, VC, TC)
-        colsum += tl.sum(tl.abs(ec), axis=0)
+        ec = _residual_chunk(v0c, codes_h, sv_h, ascr, bh, bm, bl, cs, rk, V, K, VC, TC)
+        absacc += tl.abs(ec)
+    colsum = tl.sum(absacc, axis=0)
     sk_new = tl.sqrt(colsum * (1.0 / V))
     sk_new = tl.maximum(sk_new, 1e-12)
     tl.store(sk_o + rk, sk_new)
@@ -313,13 +337,13 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
 
     # pass 2: s_v = max_k |E| / s_k, codes = round(127 E / (s_k s_v))
     for v0c in range(0, V, VC):
-        ec = _residual_chunk(v0c, codes_h, sv_h, ubuf_h, q_h, q_o, bh, bm, bl, cs, rk, V, K, VC, TC)
+        ec = _residual_chunk(v0c, codes_h, sv_h, ascr, bh, bm, bl, cs, rk, V, K, VC, TC)
+        tl.debug_barrier()
         t = ec * inv_sk[None, :]
         svn = tl.maximum(tl.max(tl.abs(t), axis=1), 1e-12)
-        y = t * (127.0 / svn)[:, None]
-        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-        # round half to even: exact for |y| < 2^22 (1.5 * 2^23 magic), integer read off the low mantissa bits
-        ir = (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+        # |t| <= svn, so |127 t / svn| <= 127 (1 + 2^-23) rounds into [-127, 127]: no clamp.  Round half to even
+        # by the 1.5 * 2^23 add (one FFMA); the int8 code is the low byte of the sum's bits
+        ir = (t * (127.0 / svn)[:, None] + 12582912.0).to(tl.int32, bitcast=True)
         rvc = v0c + tl.arange(0, VC)
         tl.store(codes_o + rvc[:, None] * K + rk[None, :], ir.to(tl.int8))
         tl.store(sv_o + rvc, svn)
