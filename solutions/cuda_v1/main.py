@@ -12,7 +12,6 @@ import hashlib
 import os
 from pathlib import Path
 
-import torch
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ("flush.cu", "binding.cpp")
