@@ -121,8 +121,8 @@ class Worker:
             return RUNTIME_ERROR, f"worker process died while {what} (exit code {code})"
 
     def call(self, *message):
-        if self.proc is None or not self.proc.is_alive():
-            self.start()
+        if self.load_error is None and (self.proc is None or not self.proc.is_alive()):
+            self.start()                    # first call, or the worker died or was killed on the last one
         if self.load_error:
             return COMPILE_ERROR, self.load_error
         self.conn.send(message)

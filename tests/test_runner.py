@@ -57,6 +57,16 @@ def test_hang_times_out_and_the_next_workload_still_runs(defn, tmp_path):
     assert "no answer within 8 s" in results[0].log
 
 
+def test_compile_error_loads_once(defn, tmp_path):
+    make_solution(tmp_path, "broken", "raise ImportError('no such toolchain')\n")
+    worker = runner.Worker(load_solution("broken", defn, tmp_path), defn, "cpu", timeout_s=60)
+    assert worker.call("run", {}, {}) == (runner.COMPILE_ERROR, "ImportError: no such toolchain at main.py:1")
+    spawned = worker.proc
+    assert worker.call("run", {}, {})[0] == runner.COMPILE_ERROR
+    assert worker.proc is spawned                    # the second workload did not spawn (and fail) again
+    worker.stop()
+
+
 def test_program_layout(defn):
     batched, n = runner.program_layout(defn)
     assert n == 2 and "q0" not in batched and len(batched) == 10
