@@ -361,9 +361,14 @@ def drift(flush, reference, axes: dict, windows: int, seed: int, device="cpu"):
 
 
 # ----------------------------------------------------------------------------------------------- the criterion
+def _abs_error(outputs, state: torch.Tensor) -> torch.Tensor:
+    """|decode(checkpoint) - S| elementwise, for outputs (codes, s_k, s_v, u, q) in definition order."""
+    return (decode_checkpoint(*outputs) - state).abs()
+
+
 def head_errors(outputs, state: torch.Tensor) -> torch.Tensor:
-    """Per-head mean |decode(checkpoint) - S| [B, H] for outputs (codes, s_k, s_v, u, q) in definition order."""
-    return (decode_checkpoint(*outputs) - state).abs().mean((-2, -1))
+    """Per-head mean |decode(checkpoint) - S| [B, H]."""
+    return _abs_error(outputs, state).mean((-2, -1))
 
 
 def judge(inputs: dict, outputs, reference_outputs) -> Verdict:
@@ -377,18 +382,18 @@ def judge(inputs: dict, outputs, reference_outputs) -> Verdict:
                        math.inf, math.inf)
     state = exact_state(inputs)
     scale = state.abs().mean((-2, -1))
-    err = head_errors(outputs, state)
+    abs_error = _abs_error(outputs, state)
+    err, max_abs = abs_error.mean((-2, -1)), float(abs_error.max())
+    del abs_error
     err_ref = head_errors(reference_outputs, state)
     judged = (err_ref >= EXACT_HEAD * scale) & (err_ref > 0)
     ratio = torch.where(judged, err / torch.where(judged, err_ref, 1.0), 0.0)
-    cap_use = torch.where(judged, 0.0, err / (EXACT_CAP * scale).clamp_min(1e-300))
-    cap_use = torch.where(~judged & (err == 0), 0.0, cap_use)          # an all-zero head decoded exactly
+    cap_use = torch.where(judged, 0.0, err / (EXACT_CAP * scale).clamp_min(1e-300))   # 0 for a zero head decoded exactly
     worst = float(ratio.max()) if judged.any() else None
     rel = torch.where(scale > 0, err / scale.clamp_min(1e-300), err)
     extra = {"worst_head_ratio": worst, "exact_heads": int((~judged).sum()), "max_cap_use": float(cap_use.max()),
              "mean_head_ratio": float(ratio[judged].mean()) if judged.any() else None}
-    verdict = Verdict(True, "", worst, float((decode_checkpoint(*outputs) - state).abs().max()),
-                      float(rel.max()), extra)
+    verdict = Verdict(True, "", worst, max_abs, float(rel.max()), extra)
     if worst is not None and worst > RATIO_LIMIT:
         b, h = divmod(int(ratio.argmax()), ratio.shape[1])
         verdict.passed, verdict.reason = False, f"worst-head ratio {worst:.4f} > {RATIO_LIMIT} at (batch {b}, head {h})"
