@@ -105,8 +105,9 @@ def build(traces: list[dict], current: dict | None = None) -> tuple[str, dict]:
                 passed = [t for t in at if t["evaluation"]["status"] == "PASSED"]
                 failed = sorted({t["evaluation"]["status"] for t in at} - {"PASSED"})
                 status = "PASSED" if not failed else ", ".join(failed) + f" ({len(at) - len(passed)}/{len(at)})"
-                lat = statistics.median(t["evaluation"]["performance"]["latency_ms"] for t in passed) if passed else None
-                floor = statistics.median(t["evaluation"]["performance"]["floor_ms"] for t in passed) if passed else None
+                perf = [t["evaluation"]["performance"] for t in passed]
+                lat = statistics.median(p["latency_ms"] for p in perf) if perf else None
+                floor = statistics.median(p["floor_ms"] for p in perf) if perf else None
                 ratios = [t["evaluation"]["correctness"]["extra"].get("worst_head_ratio") for t in passed]
                 ratios = [r for r in ratios if r is not None]
                 sp = _geomean([t["evaluation"]["performance"]["speedup_factor"] for t in passed

@@ -27,8 +27,8 @@ EXACT_CAP = 1e-3        # almost exactly, and the candidate's error is capped at
 FAMILIES = ("edge", "second_window", "random", "trajectory")
 EDGE_KINDS = ("generic", "rank1", "rank2", "zero", "tiny", "tinier", "huge", "hot_row", "decayed", "no_decay",
               "split_decades")
-TRAJECTORY_WINDOWS = 4
-DEPENDENT_COLUMN = 1e-9  # generator's Gram-Schmidt: a remainder below this fraction of column 0 is noise  # windows streamed through the flush before the one the workload holds
+TRAJECTORY_WINDOWS = 4  # windows streamed through the flush before the one the workload holds
+DEPENDENT_COLUMN = 1e-9  # generator's Gram-Schmidt: a remainder below this fraction of column 0 is noise
 CHECKPOINT = ("codes", "s_k", "s_v", "u", "q")
 WINDOW = ("kbuf", "ubuf", "gbuf", "w", "pcum")
 DTYPES = {"codes": torch.int8, "s_k": torch.float32, "s_v": torch.float32, "u": torch.float16, "q": torch.float16,
@@ -388,7 +388,8 @@ def judge(inputs: dict, outputs, reference_outputs) -> Verdict:
     err_ref = head_errors(reference_outputs, state)
     judged = (err_ref >= EXACT_HEAD * scale) & (err_ref > 0)
     ratio = torch.where(judged, err / torch.where(judged, err_ref, 1.0), 0.0)
-    cap_use = torch.where(judged, 0.0, err / (EXACT_CAP * scale).clamp_min(1e-300))   # 0 for a zero head decoded exactly
+    # how much of the cap each exactly-captured head uses (0 for a zero head decoded exactly)
+    cap_use = torch.where(judged, 0.0, err / (EXACT_CAP * scale).clamp_min(1e-300))
     worst = float(ratio.max()) if judged.any() else None
     rel = torch.where(scale > 0, err / scale.clamp_min(1e-300), err)
     extra = {"worst_head_ratio": worst, "exact_heads": int((~judged).sum()), "max_cap_use": float(cap_use.max()),
