@@ -83,7 +83,9 @@ def permuted(base: dict, batched: tuple[str, ...], n_prefix: int, perm: torch.Te
         dst.view(-1, *dst.shape[n_prefix:]).copy_(flat_src.index_select(0, perm))
 
 
-def _poison(outputs) -> None:
+def poison(outputs) -> None:
+    """Fill output buffers with values no correct flush writes (NaN; the type's minimum for integers), so an output
+    left unwritten cannot pass for a result."""
     for t in outputs:
         t.fill_(float("nan") if t.is_floating_point() else (torch.iinfo(t.dtype).min if t.dtype != torch.bool else 0))
 
@@ -129,7 +131,7 @@ def time_calls(call: Callable, base: dict, axes: dict, batched: tuple[str, ...],
         for k, perm in enumerate(perms):
             i = k % INPUT_SETS
             permuted(base, batched, n_prefix, perm.to(device), sets[i])
-            _poison(outputs[i])
+            poison(outputs[i])
             scratch.fill_(k & 0xFF)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
