@@ -39,6 +39,8 @@ constexpr unsigned FULL = 0xffffffffu;
 
 struct __align__(16) Smem {
   uint4 bsm[3][K][4];      // B as bf16, per split: [k][chunk of 8 j], chunk swizzled by (k >> 4) & 3 (24 KB)
+  uint4 asm_[24][V / 8];   // A^T as bf16: rows j < 16 ubuf_j, 16-19 hi(q_r), 20-23 lo(q_r); [j][chunk of 8 v],
+                           // chunk swizzled by j & 7 so that ldmatrix's 8 rows hit 8 bank groups (6 KB)
   float red[2048];         // reduction scratch (8 KB), reused by every stage
   float cs[K];             // s_k / 127 * exp(pcum)
   float isk[K];            // 1 / s_k_new
@@ -48,6 +50,9 @@ struct __align__(16) Smem {
   uint32_t un16[K][2];     // -u_new^T as fp16 pairs
 };
 
+// chunk c (v in [8c, 8c + 8)) of row j of the staged A^T
+__device__ __forceinline__ uint4& s_a_chunk(Smem& sm, int j, int c) { return sm.asm_[j][c ^ (j & 7)]; }
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -55,6 +60,20 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t addr, uint32_t& r0, uint32_t& r1) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r0), "=r"(r1)
                : "r"(addr)
                : "memory");
 }
@@ -93,10 +112,13 @@ __device__ __forceinline__ void split3(float x, uint32_t& h, uint32_t& m, uint32
 
 __device__ __forceinline__ float h2f(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
 
-__device__ __forceinline__ float warp_sum(float x) {
+// N sums over the warp at once (butterfly): N independent chains, so N values cost the latency of one
+template <int N>
+__device__ __forceinline__ void warp_sums(float (&d)[N]) {
 #pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) x += __shfl_xor_sync(FULL, x, m);
-  return x;
+  for (int m = 16; m >= 1; m >>= 1)
+#pragma unroll
+    for (int i = 0; i < N; ++i) d[i] += __shfl_xor_sync(FULL, d[i], m);
 }
 
 // One level of a shuffle reduce-scatter: v[0, 2n) -> v[0, n), the upper half kept where `upper`.
@@ -111,30 +133,62 @@ __device__ __forceinline__ void rs_level(float* v, bool upper, int mask) {
   }
 }
 
-// MGS2 on a [128, 4] matrix held by one warp: lane l holds rows 4 l + i (i < 4) in a[i][0..3]. The reference's order:
-// column j is projected against c_0 .. c_{j-1}, twice, then normalised with the norm clamped at 1e-30.
-__device__ __forceinline__ void mgs2(float (&a)[4][4]) {
+// sum_i x[i][p] y[i][j] over this lane's 4 rows (the warp sum follows)
+__device__ __forceinline__ float lane_dot(const float (&x)[4][4], int p, const float (&y)[4][4], int j) {
+  float d = x[0][p] * y[0][j];
 #pragma unroll
-  for (int j = 0; j < R; ++j) {
+  for (int i = 1; i < 4; ++i) d = fmaf(x[i][p], y[i][j], d);
+  return d;
+}
+
+__device__ __forceinline__ void normalise(float (&a)[4][4], int j, float n2, float& inv) {
+  inv = 1.0f / fmaxf(sqrtf(n2), 1e-30f);
 #pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
+  for (int i = 0; i < 4; ++i) a[i][j] *= inv;
+}
+
+__device__ __forceinline__ void subtract(float (&a)[4][4], int j, int p, float coef) {
 #pragma unroll
-      for (int p = 0; p < j; ++p) {
-        float d = a[0][p] * a[0][j];
+  for (int i = 0; i < 4; ++i) a[i][j] = fmaf(-a[i][p], coef, a[i][j]);
+}
+
+// Column J of CGS2 (columns < J final; r1[p] = c_p . a_J for the original a_J, known from the previous round):
+// subtract the first pass, one round for the second pass, one round for the norm together with the first-pass dots
+// of column J + 1 (c_J . a_{J+1} = (a_J . a_{J+1}) / n_J), which it leaves in r1_next.
+template <int J>
+__device__ __forceinline__ void cgs2_column(float (&a)[4][4], const float (&r1)[R], float (&r1_next)[R]) {
 #pragma unroll
-        for (int i = 1; i < 4; ++i) d = fmaf(a[i][p], a[i][j], d);
-        d = warp_sum(d);
+  for (int p = 0; p < J; ++p) subtract(a, J, p, r1[p]);
+  if (J > 0) {
+    float d[J > 0 ? J : 1];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) a[i][j] = a[i][j] - a[i][p] * d;
-      }
-    }
-    float n2 = a[0][j] * a[0][j];
+    for (int p = 0; p < J; ++p) d[p] = lane_dot(a, p, a, J);
+    warp_sums(d);
 #pragma unroll
-    for (int i = 1; i < 4; ++i) n2 = fmaf(a[i][j], a[i][j], n2);
-    const float n = fmaxf(sqrtf(warp_sum(n2)), 1e-30f);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[i][j] = a[i][j] / n;
+    for (int p = 0; p < J; ++p) subtract(a, J, p, d[p]);
   }
+  constexpr int N = J + 1 < R ? J + 2 : 1;                // the norm, then c_0 .. c_J against a_{J+1}
+  float d[N];
+  d[0] = lane_dot(a, J, a, J);
+#pragma unroll
+  for (int p = 0; p + 1 < N; ++p) d[1 + p] = lane_dot(a, p, a, J + 1 < R ? J + 1 : J);
+  warp_sums(d);
+  float inv;
+  normalise(a, J, d[0], inv);
+#pragma unroll
+  for (int p = 0; p + 1 < N; ++p) r1_next[p] = p == J ? d[1 + p] * inv : d[1 + p];
+}
+
+// Orthonormalise the 4 columns of a [128, 4] matrix held by one warp (lane l holds rows 4 l + i in a[i][0..3]) by
+// classical Gram-Schmidt with one reorthogonalisation (CGS2: as accurate as the reference's MGS2, "twice is
+// enough"), the norm clamped at 1e-30 as in the reference. The warp reductions are the critical path (the other
+// 7 warps wait at a barrier), so the rounds are merged: 7 rounds of warp sums instead of MGS2's 16.
+__device__ __forceinline__ void cgs2(float (&a)[4][4]) {
+  float r1a[R], r1b[R];
+  cgs2_column<0>(a, r1a, r1b);
+  cgs2_column<1>(a, r1b, r1a);
+  cgs2_column<2>(a, r1a, r1b);
+  cgs2_column<3>(a, r1b, r1a);
 }
 
 // byte `sel` (0..3) of x (int8, pre-xored with 0x80) as an exact fp32: 2^23 + (b ^ 0x80) - (2^23 + 128)
@@ -171,7 +225,7 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
   const float* w = p.w + static_cast<size_t>(prog) * L;
   const float* pcum = p.pcum + static_cast<size_t>(prog) * K;
 
-  // ---- 0. loads: codes rows (16 B per row), s_v, the A fragments (ubuf and q hi/lo) -------------------------------
+  // ---- 0. loads: codes rows (16 B per row), s_v; A^T (ubuf, hi / lo of q) staged in shared memory ----------------
   uint4 cw[4];
   float svr[4];
 #pragma unroll
@@ -179,30 +233,28 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
     cw[ri] = __ldg(reinterpret_cast<const uint4*>(codes + row_of(ri) * K + colbase));
     svr[ri] = __ldg(s_v + row_of(ri));
   }
-  uint32_t afr[2][6];
+  {
+    // A^T rows into shared memory: ubuf as one coalesced 16-byte load per thread; hi / lo of q by the first 64
+    const int j = tid >> 4, c = tid & 15;
+    s_a_chunk(sm, j, c) = __ldg(reinterpret_cast<const uint4*>(ubuf) + tid);
+    if (tid < 64) {
+      const uint4 q8 = __ldg(reinterpret_cast<const uint4*>(q) + tid);      // q_j[8c .. 8c + 7], j = tid >> 4
+      const uint32_t qw[4] = {q8.x, q8.y, q8.z, q8.w};
+      uint32_t hi[4], lo[4];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-    const int v0 = 32 * wr + 16 * mt + g;
-    auto ub = [&](int j, int v) { return static_cast<uint32_t>(__ldg(ubuf + j * V + v)); };
-    afr[mt][0] = ub(2 * t, v0) | (ub(2 * t + 1, v0) << 16);
-    afr[mt][1] = ub(2 * t, v0 + 8) | (ub(2 * t + 1, v0 + 8) << 16);
-    afr[mt][2] = ub(2 * t + 8, v0) | (ub(2 * t + 9, v0) << 16);
-    afr[mt][3] = ub(2 * t + 8, v0 + 8) | (ub(2 * t + 9, v0 + 8) << 16);
-    // k8 step: j = 16 + 2t, 17 + 2t -> (r0, r0 + 1) with r0 = 2 (t & 1); hi for t < 2, lo for t >= 2
-    const int r0 = 2 * (t & 1);
-    const bool lo = t >= 2;
+      for (int i = 0; i < 4; ++i) {
+        uint32_t h[2], l[2];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int v = v0 + 8 * hh;
-      uint32_t pr = 0;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float x = h2f(__ldg(q + (r0 + e) * V + v));
-        const uint32_t hb = bf16_bits(x);
-        const uint32_t b = lo ? bf16_bits(x - bf16_val(hb)) : hb;
-        pr |= b << (16 * e);
+        for (int e = 0; e < 2; ++e) {
+          const float x = h2f(static_cast<uint16_t>(qw[i] >> (16 * e)));
+          h[e] = bf16_bits(x);
+          l[e] = bf16_bits(x - bf16_val(h[e]));       // an fp16 value is exactly hi + lo
+        }
+        hi[i] = h[0] | h[1] << 16;
+        lo[i] = l[0] | l[1] << 16;
       }
-      afr[mt][4 + hh] = pr;
+      s_a_chunk(sm, L + j, c) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      s_a_chunk(sm, L + R + j, c) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
   }
 
@@ -278,6 +330,17 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
     }
   }
   {
+    // A fragments (rows v, columns j) from the transposed staging: matrix m of the x4 is (v + 8 (m & 1), j + 8 (m >> 1))
+    uint32_t afr[2][6];
+    {
+      const int m = lane >> 3, r8 = lane & 7;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const int vc = (32 * wr + 16 * mt) / 8 + (m & 1);
+        ldsm_x4_trans(smem_u32(&s_a_chunk(sm, r8 + 8 * (m >> 1), vc)), reinterpret_cast<uint32_t(&)[4]>(afr[mt][0]));
+        ldsm_x2_trans(smem_u32(&s_a_chunk(sm, L + r8, vc)), afr[mt][4], afr[mt][5]);
+      }
+    }
     const uint32_t bbase = smem_u32(&sm.bsm[0][0][0]);
     const int m = lane >> 3, r8 = lane & 7;
     const int ksw = (r8 >> 1) & 3;                    // (k >> 4) & 3 of this lane's ldmatrix row
@@ -348,7 +411,7 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
       }
       a[i][0] = s.x; a[i][1] = s.y; a[i][2] = s.z; a[i][3] = s.w;
     }
-    mgs2(a);
+    cgs2(a);
 #pragma unroll
     for (int i = 0; i < 4; ++i) sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
   }
@@ -389,7 +452,7 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
       const float4 s1 = reinterpret_cast<const float4*>(sm.red)[128 + v];
       a[i][0] = s0.x + s1.x; a[i][1] = s0.y + s1.y; a[i][2] = s0.z + s1.z; a[i][3] = s0.w + s1.w;
     }
-    mgs2(a);
+    cgs2(a);
     __half* q_new = static_cast<__half*>(p.q_new) + static_cast<size_t>(prog) * R * V;
     uint32_t hq[4][2];                               // [i][pair]
     __half hv[4][4];
