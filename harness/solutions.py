@@ -125,20 +125,33 @@ def discover(defn: Definition, root: str | Path = "solutions") -> list[str]:
     return [REFERENCE] + names
 
 
+def load_module(sol: Solution, path: str):
+    """Import one Python source of a solution folder (its entry file, or another such as a deployment form), with
+    the folder on sys.path so that it imports its siblings. Raises whatever the import raises."""
+    if sol.is_reference or path not in sol.sources:
+        raise SolutionError(f"{sol.name}: no source {path!r} (sources: {', '.join(sol.sources) or 'none'})")
+    folder = str(sol.folder.resolve())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)       # multi-file solutions import their siblings
+    for source in sol.sources:
+        # siblings are imported afresh from this folder, not taken from a module of that name cached by an earlier
+        # load (of this folder's older files or of another solution's)
+        sys.modules.pop(Path(source).stem, None)
+    module_name = f"solution_{sol.name}_{Path(path).stem}"
+    spec = importlib.util.spec_from_file_location(module_name, sol.folder / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_entry(sol: Solution, defn: Definition) -> Callable[..., tuple[torch.Tensor, ...]]:
     """Import the solution's entry point and wrap it to return the outputs in definition order. Raises whatever
     the import raises: the caller reports it as COMPILE_ERROR."""
     if sol.is_reference:
         fn, dps = defn.reference_run(), False
     else:
-        folder = str(sol.folder.resolve())
-        if folder not in sys.path:
-            sys.path.insert(0, folder)       # multi-file solutions import their siblings
-        module_name = f"solution_{sol.name}_{Path(sol.entry_file).stem}"
-        spec = importlib.util.spec_from_file_location(module_name, sol.folder / sol.entry_file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
+        module = load_module(sol, sol.entry_file)
         fn = getattr(module, sol.entry_function, None)
         if not callable(fn):
             raise AttributeError(f"{sol.entry_file} defines no function {sol.entry_function!r}")

@@ -28,6 +28,11 @@ pass 1 accumulates |E| elementwise and reduces once; pass 2 rounds with one FFMA
 Config (fixed): 4 warps, num_stages 1, VC = PC = 32, L2 prefetch of the codes and ubuf lines at entry, and a
 128-register cap (4 programs per SM).  NOTES.md has the measurements.
 
+POOL (constexpr): the deployment form (pool.py, NOTES.md "Deployment form"): the checkpoint is read and written in
+place in a flat pool, only the programs whose window is full run, and they reset their window; the scratch is then a
+pool-owned tensor, since the codes region is the one being read. With POOL False (`run`) every pool argument is a
+compile-time None and the kernel compiles to the same code as without them.
+
 TC (constexpr): True on the GPU (bf16 tensor-core dots); False under the interpreter, where the same bf16-valued
 operands stay fp32 and the dots run in ieee fp32 (the interpreter mishandles bf16 tl.dot).
 """
@@ -136,10 +141,11 @@ def _mgs2(a0, a1, a2, a3):
 
 
 @triton.jit
-def _load_a(ubuf_h, q_h, rv, f, V: tl.constexpr, L: tl.constexpr):
-    """A [V, 32]: ubuf in the columns 0-15, the exact bf16 hi / lo parts of q in 16-19 / 20-23, zero beyond."""
+def _load_a(ubuf_h, q_h, rv, f, V: tl.constexpr, L: tl.constexpr, QS: tl.constexpr):
+    """A [V, 32]: ubuf in the columns 0-15, the exact bf16 hi / lo parts of q (rows QS apart) in 16-19 / 20-23,
+    zero beyond."""
     ub = tl.load(ubuf_h + f[None, :] * V + rv[:, None], mask=f[None, :] < L, other=0.0).to(tl.float32)
-    qa = tl.load(q_h + (f[None, :] % 4) * V + rv[:, None], mask=(f[None, :] >= 16) & (f[None, :] < 24),
+    qa = tl.load(q_h + (f[None, :] % 4) * QS + rv[:, None], mask=(f[None, :] >= 16) & (f[None, :] < 24),
                  other=0.0).to(tl.float32)
     qhi = _bf(qa)
     return ub + tl.where(f[None, :] >= 20, qa - qhi, qhi)
@@ -219,25 +225,61 @@ def _residual_chunk(v0, codes_h, sv_h, ascr, bh, bm, bl, cs, rk,
 def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, gbuf_ptr, w_ptr, pcum_ptr, q0_ptr,
                   codes_out, sk_out, sv_out, u_out, q_out,
                   V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, R: tl.constexpr, VC: tl.constexpr,
-                  PC: tl.constexpr, TC: tl.constexpr, PF: tl.constexpr):
+                  PC: tl.constexpr, TC: tl.constexpr, PF: tl.constexpr,
+                  idx_ptr=None, count_ptr=None, scratch_ptr=None, num_slots=None,
+                  POOL: tl.constexpr = False, H: tl.constexpr = 1, REGION: tl.constexpr = 0):
     tl.static_assert(L == 16)
     tl.static_assert(R == 4)
     pid = tl.program_id(0).to(tl.int64)
-    codes_h = codes_ptr + pid * (V * K)
-    sk_h = sk_ptr + pid * K
-    sv_h = sv_ptr + pid * V
-    u_h = u_ptr + pid * (R * K)
-    q_h = q_ptr + pid * (R * V)
-    kbuf_h = kbuf_ptr + pid * (L * K)
-    ubuf_h = ubuf_ptr + pid * (L * V)
-    gbuf_h = gbuf_ptr + pid * (L * K)
-    w_h = w_ptr + pid * L
-    pcum_h = pcum_ptr + pid * K
-    codes_o = codes_out + pid * (V * K)
-    sk_o = sk_out + pid * K
-    sv_o = sv_out + pid * V
-    u_o = u_out + pid * (R * K)
-    q_o = q_out + pid * (R * V)
+    if POOL:
+        # deployment form (pool.py): program pid = (sequence, head); the checkpoint is read and written in place in
+        # the region of (idx[sequence], head) of one flat buffer (codes_ptr ... q_ptr point at the fields of region
+        # 0; H + 1 regions a slot, the last one spare; the u | q rows K + V apart); the window, pcum and fill
+        # counter are dense [slots, H, ...]; a program whose slot is 0 (no sequence), out of range or not full
+        # returns at once
+        seq = pid // H
+        head = pid % H
+        slot = tl.load(idx_ptr + seq).to(tl.int64)
+        valid = (slot > 0) & (slot < num_slots)
+        count = tl.load(count_ptr + slot * H + head, mask=valid, other=0)
+        if count != L:
+            return
+        prog = slot * H + head
+        region = slot * (H + 1) + head
+        US: tl.constexpr = K + V
+        QS: tl.constexpr = K + V
+        codes_h = codes_ptr + region * REGION
+        sk_h = sk_ptr + region * (REGION // 4)
+        sv_h = sv_ptr + region * (REGION // 4)
+        u_h = u_ptr + region * (REGION // 2)
+        q_h = q_ptr + region * (REGION // 2)
+        codes_o = codes_h
+        sk_o = sk_h
+        sv_o = sv_h
+        u_o = u_h
+        q_o = q_h
+        # the kernel's scratch may not be the codes region it still reads: a separate 16 KB per (slot, head)
+        scratch = scratch_ptr + prog * (V * K)
+    else:
+        prog = pid
+        US: tl.constexpr = K
+        QS: tl.constexpr = V
+        codes_h = codes_ptr + pid * (V * K)
+        sk_h = sk_ptr + pid * K
+        sv_h = sv_ptr + pid * V
+        u_h = u_ptr + pid * (R * K)
+        q_h = q_ptr + pid * (R * V)
+        codes_o = codes_out + pid * (V * K)
+        sk_o = sk_out + pid * K
+        sv_o = sv_out + pid * V
+        u_o = u_out + pid * (R * K)
+        q_o = q_out + pid * (R * V)
+        scratch = codes_o
+    kbuf_h = kbuf_ptr + prog * (L * K)
+    ubuf_h = ubuf_ptr + prog * (L * V)
+    gbuf_h = gbuf_ptr + prog * (L * K)
+    w_h = w_ptr + prog * L
+    pcum_h = pcum_ptr + prog * K
 
     rv = tl.arange(0, V)
     rk = tl.arange(0, K)
@@ -256,9 +298,9 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     sv = tl.load(sv_h + rv)                                                              # [V]
 
     # ---- B [32, K] (rows 24-31 zero while rebuilding S)
-    # scratch: the head's codes_new region (16 KB, written only by the last pass), as fp32:
+    # scratch (16 KB; the head's codes_new region, written only by the last pass, outside the pool), as fp32:
     # [0, 512) cs * qk_j over K, [512, 1024) qv_j over V, [2048, 4096) the window rows of B
-    scr = codes_o.to(tl.pointer_type(tl.float32))
+    scr = scratch.to(tl.pointer_type(tl.float32))
     # window rows w_f kbuf_f D_f, D_f = prod_{i > f} g_i, one 1-D row at a time (a sequential product in each
     # thread instead of a block-wide scan), through the scratch into the [32, K] tile
     d = tl.full([K], 1.0, dtype=tl.float32)
@@ -269,15 +311,15 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
         d = d * tl.load(gbuf_h + j * K + rk).to(tl.float32)
     tl.debug_barrier()
     kw = tl.load(scr + 2048 + f[:, None] * K + rk[None, :], mask=f[:, None] < L, other=0.0)
-    uu = tl.load(u_h + fr[:, None] * K + rk[None, :], mask=(f[:, None] >= 16) & (f[:, None] < 24),
+    uu = tl.load(u_h + fr[:, None] * US + rk[None, :], mask=(f[:, None] >= 16) & (f[:, None] < 24),
                  other=0.0).to(tl.float32)
     b = kw + uu * e[None, :]
     # A [V, 32] as bf16 rows in the scratch bytes [8192, 16384) (over the window rows, now in registers; the
     # residual's codes stores of a chunk never reach the A rows of a later chunk): ubuf, hi / lo of q, zero in
     # the columns 24-31 until q_new is known
-    ascr = (codes_o + 8192).to(tl.pointer_type(tl.bfloat16))
+    ascr = (scratch + 8192).to(tl.pointer_type(tl.bfloat16))
     tl.debug_barrier()
-    tl.store(ascr + rv[:, None] * 32 + f[None, :], _load_a(ubuf_h, q_h, rv, f, V, L).to(tl.bfloat16))
+    tl.store(ascr + rv[:, None] * 32 + f[None, :], _load_a(ubuf_h, q_h, rv, f, V, L, QS).to(tl.bfloat16))
     tl.debug_barrier()
 
     # ---- 1. qk = MGS2(S^T q0)
@@ -301,14 +343,14 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     tl.debug_barrier()
     u0, u1, u2, u3 = _st_product(scr + 512, 1, V, ascr, codes_h, sv_h, b, cs, c16, f, rk, V, K, L, PC, TC)
 
-    tl.store(q_o + 0 * V + rv, v0.to(tl.float16))
-    tl.store(q_o + 1 * V + rv, v1.to(tl.float16))
-    tl.store(q_o + 2 * V + rv, v2.to(tl.float16))
-    tl.store(q_o + 3 * V + rv, v3.to(tl.float16))
-    tl.store(u_o + 0 * K + rk, u0.to(tl.float16))
-    tl.store(u_o + 1 * K + rk, u1.to(tl.float16))
-    tl.store(u_o + 2 * K + rk, u2.to(tl.float16))
-    tl.store(u_o + 3 * K + rk, u3.to(tl.float16))
+    tl.store(q_o + 0 * QS + rv, v0.to(tl.float16))
+    tl.store(q_o + 1 * QS + rv, v1.to(tl.float16))
+    tl.store(q_o + 2 * QS + rv, v2.to(tl.float16))
+    tl.store(q_o + 3 * QS + rv, v3.to(tl.float16))
+    tl.store(u_o + 0 * US + rk, u0.to(tl.float16))
+    tl.store(u_o + 1 * US + rk, u1.to(tl.float16))
+    tl.store(u_o + 2 * US + rk, u2.to(tl.float16))
+    tl.store(u_o + 3 * US + rk, u3.to(tl.float16))
     tl.debug_barrier()      # every thread's A loads of the last product are done before A's columns 24-31 change
     _store_qn(ascr, v0, rv, 0)
     _store_qn(ascr, v1, rv, 1)
@@ -317,7 +359,7 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     tl.debug_barrier()
 
     # ---- residual: B rows 24-31 = -u_new (fp16, hi + lo exact)
-    un = tl.load(u_o + fr[:, None] * K + rk[None, :], mask=f[:, None] >= 24, other=0.0).to(tl.float32)
+    un = tl.load(u_o + fr[:, None] * US + rk[None, :], mask=f[:, None] >= 24, other=0.0).to(tl.float32)
     b = b - un
     bh = _bf(b)
     br = b - bh
@@ -348,6 +390,26 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
         tl.store(codes_o + rvc[:, None] * K + rk[None, :], ir.to(tl.int8))
         tl.store(sv_o + rvc, svn)
 
+    if POOL:
+        # window reset (the counter stays L); every thread read the window before the barriers above
+        tl.store(w_h + tl.arange(0, L), tl.zeros([L], dtype=tl.float32))
+        tl.store(pcum_h + rk, tl.zeros([K], dtype=tl.float32))
+        tl.store(gbuf_h + tl.arange(0, L)[:, None] * K + rk[None, :], tl.full([L, K], 1.0, dtype=tl.float16))
+
+
+def on_gpu(device: torch.device) -> bool:
+    """The tensor-core form only where the kernel really compiles for the GPU (not under TRITON_INTERPRET)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def launch(programs: int, pointers: tuple, V: int, K: int, L: int, R: int, **pool):
+    """_flush_kernel over `programs` programs in the fixed config; `pointers`: its 16 tensor arguments, `pool`: the
+    deployment form's extra arguments (pool.py)."""
+    tc = on_gpu(pointers[0].device)
+    extra = {"maxnreg": MAXNREG} if tc else {}
+    _flush_kernel[(programs,)](*pointers, V=V, K=K, L=L, R=R, VC=VC, PC=PC, TC=tc, PF=PF,
+                               num_warps=NUM_WARPS, num_stages=NUM_STAGES, **extra, **pool)
+
 
 def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0):
     B, H, V, K = codes.shape
@@ -360,11 +422,6 @@ def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0):
     s_v_new = torch.empty((B, H, V), dtype=torch.float32, device=dev)
     u_new = torch.empty((B, H, R, K), dtype=torch.float16, device=dev)
     q_new = torch.empty((B, H, R, V), dtype=torch.float16, device=dev)
-    # the tensor-core form only where the kernel really compiles for the GPU (not under TRITON_INTERPRET)
-    on_gpu = dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-    extra = {"maxnreg": MAXNREG} if on_gpu else {}
     if B * H > 0:
-        _flush_kernel[(B * H,)](*ins, codes_new, s_k_new, s_v_new, u_new, q_new,
-                                V=V, K=K, L=L, R=R, VC=VC, PC=PC, TC=on_gpu, PF=PF,
-                                num_warps=NUM_WARPS, num_stages=NUM_STAGES, **extra)
+        launch(B * H, (*ins, codes_new, s_k_new, s_v_new, u_new, q_new), V, K, L, R)
     return codes_new, s_k_new, s_v_new, u_new, q_new
