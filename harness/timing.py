@@ -35,7 +35,8 @@ IMPOSSIBLE_FRACTION = 0.9       # a median below this fraction of the memory flo
 _GUARDED = ("torch.cuda.Event", "torch.cuda.Event.record", "torch.cuda.Event.elapsed_time", "torch.cuda.CUDAGraph",
             "torch.cuda.CUDAGraph.replay", "torch.cuda.graph", "torch.cuda.synchronize", "time.perf_counter",
             "torch.Tensor.index_select", "torch.Tensor.copy_", "harness.timing.time_calls",
-            "harness.timing.permuted", "harness.timing.tampered")
+            "harness.timing.capture", "harness.timing.time_replays", "harness.timing.permuted",
+            "harness.timing.tampered")
 _originals: dict[str, object] = {}
 
 
@@ -99,15 +100,49 @@ def schedule(n_programs: int, seed: int, timed_calls: int = TIMED_CALLS):
     return perms, samples
 
 
+def capture(call: Callable, stream) -> tuple:
+    """call() captured in a CUDA graph on `stream` (warm it up first: compilation, caches, allocator); returns the
+    graph and what the call returned. NotCapturable when the call's launch pattern cannot be captured."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            out = call()
+    except Exception as e:  # noqa: BLE001 - the solution's launch pattern, reported as its error
+        raise NotCapturable(f"not CUDA-graph capturable ({type(e).__name__}: {' '.join(str(e).split())[:160]});"
+                            " launch on the current stream, join side streams, no host synchronisation") from None
+    return graph, out
+
+
+def time_replays(prepare: Callable, n_calls: int, stream, after: Callable | None = None) -> list[float]:
+    """Latency (ms) of n_calls CUDA-graph replays, each between two CUDA events on `stream`, L2-cold. Before call k,
+    outside the timed region: `prepare(k)` readies (refills, poisons) the inputs on `stream` and returns the graph
+    to replay, then the L2 is flushed by a write twice its size; `after(k)`, if given, runs after the replay (e.g.
+    to sample its outputs). Synchronises once at the end."""
+    device = stream.device
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    scratch = torch.empty(max(2 * l2, 1 << 27), dtype=torch.uint8, device=device)
+    events = []
+    with torch.cuda.stream(stream):
+        for k in range(n_calls):
+            graph = prepare(k)
+            scratch.fill_(k & 0xFF)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            events.append((start, end))
+            if after is not None:
+                after(k)
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in events]
+
+
 def time_calls(call: Callable, base: dict, axes: dict, batched: tuple[str, ...], n_prefix: int,
                perms: list[torch.Tensor], samples: list[torch.Tensor]) -> tuple[Timing, list, tuple]:
     """Time `call(inputs, axes)` on the GPU, call k on base permuted by perms[k]. Returns the timing, the sampled
     outputs of every timed call (programs samples[j] of call WARMUP_CALLS + j) and the last call's outputs."""
     device = next(iter(base.values())).device
     sets = [{k: v.clone() for k, v in base.items()} for _ in range(INPUT_SETS)]
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    scratch = torch.empty(max(2 * l2, 1 << 27), dtype=torch.uint8, device=device)
-
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     graphs, outputs = [], []
@@ -116,36 +151,29 @@ def time_calls(call: Callable, base: dict, axes: dict, batched: tuple[str, ...],
             for _ in range(2):
                 call(s, axes)               # warm-up: compilation, autotuning caches, allocator
         torch.cuda.synchronize(device)
-        try:
-            for s in sets:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=stream):
-                    out = call(s, axes)
-                graphs.append(g)
-                outputs.append(out)
-        except Exception as e:  # noqa: BLE001 - the solution's launch pattern, reported as its error
-            raise NotCapturable(f"not CUDA-graph capturable ({type(e).__name__}: {' '.join(str(e).split())[:160]});"
-                                " launch on the current stream, join side streams, no host synchronisation") from None
+        for s in sets:
+            graph, out = capture(lambda: call(s, axes), stream)
+            graphs.append(graph)
+            outputs.append(out)
 
-        latencies, sampled = [], []
-        for k, perm in enumerate(perms):
-            i = k % INPUT_SETS
-            permuted(base, batched, n_prefix, perm.to(device), sets[i])
-            poison(outputs[i])
-            scratch.fill_(k & 0xFF)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            graphs[i].replay()
-            end.record(stream)
-            if k < WARMUP_CALLS:
-                continue
-            latencies.append((start, end))
-            sample = samples[k - WARMUP_CALLS].to(device)
-            sampled.append(tuple(t.reshape(-1, *t.shape[n_prefix:]).index_select(0, sample).clone()
-                                 for t in outputs[i]))
-        last = tuple(t.clone() for t in outputs[(len(perms) - 1) % INPUT_SETS])
+    def prepare(k):
+        i = k % INPUT_SETS
+        permuted(base, batched, n_prefix, perms[k].to(device), sets[i])
+        poison(outputs[i])
+        return graphs[i]
+
+    sampled = []
+
+    def sample(k):
+        if k >= WARMUP_CALLS:
+            chosen = samples[k - WARMUP_CALLS].to(device)
+            sampled.append(tuple(t.reshape(-1, *t.shape[n_prefix:]).index_select(0, chosen).clone()
+                                 for t in outputs[k % INPUT_SETS]))
+
+    latencies = time_replays(prepare, len(perms), stream, after=sample)[WARMUP_CALLS:]
+    last = tuple(t.clone() for t in outputs[(len(perms) - 1) % INPUT_SETS])
     torch.cuda.synchronize(device)
-    return Timing([s.elapsed_time(e) for s, e in latencies]), sampled, last
+    return Timing(latencies), sampled, last
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
