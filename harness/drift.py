@@ -1,20 +1,24 @@
-"""python -m harness.drift --solution NAME [--windows 64] [--batch-size 1] [--device auto|cuda|cpu]: feed each
-flush's checkpoint back with a fresh window, for many windows, and compare the accuracy with the reference pipeline
-run on the same windows. Prints one row per window; exits 1 when any window's error ratio exceeds the limit, 2 on
-bad input. The operator module supplies the stream (`drift`); the solution runs in its own worker process."""
+"""python -m harness.drift --solution NAME [--windows 64] [--batch-size 1] [--device auto|cuda|cpu] [--record]: feed
+each flush's checkpoint back with a fresh window, for many windows, and compare the accuracy with the reference
+pipeline run on the same windows. Prints one row per window; exits 1 when any window's error ratio exceeds the
+limit, 2 on bad input. The operator module supplies the stream (`drift`); the solution runs in its own worker
+process. --record writes the table to traces/<definition>/drift_<NAME>.json (rendered in LEADERBOARD.md by
+`python -m harness.report`)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from tabulate import tabulate
 
-from harness import HarnessError
+from harness import HarnessError, traces
 from harness.definition import find_definition
 from harness.ops import load_op
 from harness.run import DEFAULT_DEFINITION, resolve_device
 from harness.runner import Worker
-from harness.solutions import load_solution
+from harness.solutions import load_solution, source_sha256
 
 RATIO_LIMIT = 1.01
 DRIFT_SEED = 20261203
@@ -29,6 +33,8 @@ def main(argv=None) -> int:
     p.add_argument("--definition", default=DEFAULT_DEFINITION)
     p.add_argument("--seed", type=int, default=DRIFT_SEED)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per flush before giving up")
+    p.add_argument("--record", action="store_true", help="write the table to <traces>/<definition>/drift_<NAME>.json")
+    p.add_argument("--traces", default=str(traces.TRACES), help="root of --record's file (default: %(default)s)")
     args = p.parse_args(argv)
     try:
         device = resolve_device(args.device)
@@ -68,6 +74,15 @@ def main(argv=None) -> int:
                      f"{r['worst_head_ratio']:.4f}" if r["worst_head_ratio"] is not None else "-"] for r in rows],
                    headers=["window", "error", "reference error", "ratio", "worst-head ratio"], disable_numparse=True))
     print(f"\nworst window {worst['window']}: ratio {worst['ratio']:.4f} (limit {RATIO_LIMIT})")
+    if args.record:
+        record = {"definition": defn.name, "solution": sol.name, "solution_sha256": source_sha256(sol, defn),
+                  "environment": traces.environment(device), "windows": args.windows,
+                  "batch_size": args.batch_size, "seed": args.seed, "limit": RATIO_LIMIT, "worst": worst,
+                  "rows": rows}
+        path = Path(args.traces) / defn.name / f"drift_{sol.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {path}")
     return 0 if worst["ratio"] <= RATIO_LIMIT else 1
 
 

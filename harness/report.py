@@ -2,8 +2,10 @@
 
 Per solution and batch size: status over the families, median latency, its ratio to the memory floor, speedup over
 `reference` and the worst-head ratio; per solution: the geometric-mean speedup and fast_p (the share of workloads
-that pass and are more than p times faster than the reference). Only timed traces (a GPU's) count. `--check` exits 1
-when the committed LEADERBOARD.md differs from what the traces give (a stale leaderboard)."""
+that pass and are more than p times faster than the reference). Only timed traces (a GPU's) count. Two more sections
+come from the other records under traces/<definition>/: `deploy_<solution>.json` (scripts/bench_deploy.py: the
+deployment form's timings) and `drift_<solution>.json` (`python -m harness.drift --record`: the worst window). `--check`
+exits 1 when the committed LEADERBOARD.md differs from what the traces give (a stale leaderboard)."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +42,16 @@ def load_all(root: Path = TRACES) -> list[dict]:
     return out
 
 
+def load_records(kind: str, root: Path = TRACES) -> list[dict]:
+    """Every `<kind>_<solution>.json` record under root (deploy, drift), in path order."""
+    return [json.loads(path.read_text()) for path in sorted(Path(root).glob(f"*/{kind}_*.json"))]
+
+
+def leaderboard(root: Path = TRACES) -> tuple[str, dict]:
+    """The leaderboard of everything recorded under root: build() on its traces and records."""
+    return build(load_all(root), deploy=load_records("deploy", root), drift=load_records("drift", root))
+
+
 def _batch(t: dict) -> int:
     return t["workload"]["axes"]["batch_size"]
 
@@ -70,10 +82,61 @@ def current_hashes(traces: list[dict]) -> dict[str, str | None]:
     return out
 
 
-def build(traces: list[dict], current: dict | None = None) -> tuple[str, dict]:
-    """The leaderboard's markdown and the plot's series {solution: [(batch, median latency ms)]} (+ 'floor').
-    `current` maps (definition, solution) to its sources' hash now (default: read from the repository)."""
-    current = current_hashes(traces) if current is None else current
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _records_section(title: str, intro: str, nothing_yet: str, headers: list[str], rows: list[list]) -> list[str]:
+    parts = [f"## {title}", "", intro, ""]
+    if not rows:
+        return parts + [f"Nothing recorded yet: {nothing_yet}", ""]
+    return parts + [tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), ""]
+
+
+def deployment_section(records: list[dict], current: dict) -> list[str]:
+    rows = []
+    for r in records:
+        state = sources_state([r], current.get((r["definition"], r["solution"])))
+        for row in r["rows"]:
+            rows.append([r["solution"], state, r["environment"]["hardware"], row["case"], row["batch_size"],
+                         row["due_programs"], f"{row['median_us']:.1f}", _fmt(row["floor_us"], ".1f"),
+                         _fmt(row["x_floor"], ".2f"), _fmt(row.get("target_us"), ".1f"),
+                         "yes" if row["checked"] else "FAILED"])
+    return _records_section(
+        "Deployment form",
+        "The in-place pool call as a serving engine makes it (OPERATOR.md, \"Deployment form\"), one CUDA graph "
+        "replayed L2-cold on a pool filled with a workload's inputs (`scripts/bench_deploy.py`); x floor counts every "
+        "byte of the flushed programs once, window reset included; checked: after the last call the due checkpoints "
+        "equal `run`'s bit for bit and everything else is unchanged.",
+        "run `python scripts/bench_deploy.py --solution NAME` on a GPU.",
+        ["solution", "measured sources", "hardware", "case", "B", "due programs", "latency us", "floor us", "x floor",
+         "target us", "checked"], rows)
+
+
+def drift_section(records: list[dict], current: dict) -> list[str]:
+    rows = []
+    for r in records:
+        w = r["worst"]
+        rows.append([r["solution"], sources_state([r], current.get((r["definition"], r["solution"]))),
+                     r["environment"]["hardware"], r["windows"], r["batch_size"], w["window"], f"{w['error']:.4g}",
+                     f"{w['reference_error']:.4g}", f"{w['ratio']:.4f}", _fmt(w["worst_head_ratio"], ".4f"),
+                     f"{r['limit']}" + ("" if w["ratio"] <= r["limit"] else " EXCEEDED")])
+    return _records_section(
+        "Drift over many windows",
+        "Each flush's checkpoint fed back with a fresh trajectory window (`python -m harness.drift --record`); the "
+        "worst window of each recorded run: its mean decoded error against the exactly propagated state, the "
+        "reference pipeline's on the same windows, their ratio (limit in the last column) and the worst head's.",
+        "run `python -m harness.drift --solution NAME --windows 64 --batch-size 16 --device cuda --record`.",
+        ["solution", "measured sources", "hardware", "windows", "B", "worst window", "error", "reference error",
+         "ratio", "worst-head ratio", "limit"], rows)
+
+
+def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = (),
+          drift: list[dict] = ()) -> tuple[str, dict]:
+    """The leaderboard's markdown and the plot's series {solution: [(batch, median latency ms)]} (+ 'floor'), from
+    the traces and the deploy and drift records. `current` maps (definition, solution) to its sources' hash now
+    (default: read from the repository)."""
+    current = current_hashes([*traces, *deploy, *drift]) if current is None else current
     by_def = defaultdict(list)
     for t in traces:
         by_def[t["definition"]].append(t)
@@ -133,6 +196,7 @@ def build(traces: list[dict], current: dict | None = None) -> tuple[str, dict]:
         parts.append("")
     if not traces:
         parts += ["No timed traces yet: run `python -m harness.run --device cuda` on a GPU.", ""]
+    parts += deployment_section(deploy, current) + drift_section(drift, current)
     return "\n".join(parts), series
 
 
@@ -161,7 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if LEADERBOARD.md is stale; write nothing")
     p.add_argument("--traces", default=str(TRACES))
     args = p.parse_args(argv)
-    text, series = build(load_all(Path(args.traces)))
+    text, series = leaderboard(Path(args.traces))
     if args.check:
         current = LEADERBOARD.read_text() if LEADERBOARD.exists() else ""
         if current != text:

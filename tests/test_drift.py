@@ -1,4 +1,6 @@
 """The multi-window drift check as users run it."""
+import json
+
 from conftest import make_solution
 from harness import drift
 from harness.solutions import load_solution
@@ -22,3 +24,13 @@ def test_coarser_codes_drift_and_fail(tmp_path, monkeypatch, capsys):
 def test_unknown_solution_one_line(capsys):
     assert drift.main(["--solution", "nope", "--windows", "2", "--device", "cpu"]) == 2
     assert "no such solution" in capsys.readouterr().err
+
+
+def test_record_writes_the_table(tmp_path, capsys):
+    assert drift.main(["--solution", "torch_v1", "--windows", "2", "--batch-size", "1", "--device", "cpu",
+                       "--record", "--traces", str(tmp_path)]) == 0
+    path = tmp_path / "leapquant_kda_flush_r4_int8_h32_v128_k128" / "drift_torch_v1.json"
+    record = json.loads(path.read_text())
+    assert [r["window"] for r in record["rows"]] == [0, 1] and record["windows"] == 2
+    assert record["worst"] == max(record["rows"], key=lambda r: r["ratio"]) and record["limit"] == 1.01
+    assert len(record["solution_sha256"]) == 64 and record["environment"]["hardware"].startswith("CPU")

@@ -48,5 +48,45 @@ def test_cpu_traces_left_out(tmp_path):
 
 
 def test_committed_leaderboard_is_current():
-    text, _ = report.build(report.load_all())
+    text, _ = report.leaderboard()
     assert Path("LEADERBOARD.md").read_text() == text, "stale: run `python -m harness.report` and commit"
+
+
+def _deploy(sha="abc"):
+    rows = [{"case": "all due", "batch_size": 64, "due_programs": 2048, "median_us": 300.0, "floor_us": 27.0,
+             "x_floor": 11.11, "checked": True},
+            {"case": "none due", "batch_size": 512, "due_programs": 0, "median_us": 3.2, "floor_us": None,
+             "x_floor": None, "checked": False, "target_us": 5.0}]
+    return {"definition": "d", "solution": "fast", "solution_sha256": sha, "environment": {"hardware": "NVIDIA_H200"},
+            "rows": rows}
+
+
+def _drift(ratio):
+    worst = {"window": 7, "error": 0.5, "reference_error": 0.49, "ratio": ratio, "worst_head_ratio": None}
+    return {"definition": "d", "solution": "fast", "solution_sha256": "abc", "environment": {"hardware": "NVIDIA_H200"},
+            "windows": 64, "batch_size": 16, "limit": 1.01, "worst": worst, "rows": [worst]}
+
+
+def test_deployment_and_drift_sections():
+    current = {("d", "fast"): "abc"}
+    text, _ = report.build([], current=current)
+    assert "## Deployment form" in text and "## Drift over many windows" in text
+    assert text.count("Nothing recorded yet") == 2
+    text, _ = report.build([], current=current, deploy=[_deploy(sha="old")], drift=[_drift(1.02)])
+    lines = text.splitlines()
+    all_due = next(line for line in lines if "| all due " in line)
+    assert all(f"| {c} " in all_due for c in ("fast", "older: re-run", "64", "2048", "300.0", "27.0", "11.11", "yes"))
+    none_due = next(line for line in lines if "| none due " in line)
+    assert "| 3.2 " in none_due and "| 5.0 " in none_due and "| FAILED " in none_due
+    worst = next(line for line in lines if line.startswith("| fast ") and "| 64 " in line and "| 7 " in line)
+    assert "| current " in worst and "| 1.0200 " in worst and "1.01 EXCEEDED" in worst
+    assert "Nothing recorded" not in text
+
+
+def test_records_loaded_by_kind(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "deploy_fast.json").write_text(json.dumps(_deploy()))
+    (tmp_path / "d" / "drift_fast.json").write_text(json.dumps(_drift(1.0)))
+    assert [r["rows"][0]["case"] for r in report.load_records("deploy", tmp_path)] == ["all due"]
+    assert [r["worst"]["ratio"] for r in report.load_records("drift", tmp_path)] == [1.0]
+    assert report.load_all(tmp_path) == []
