@@ -37,7 +37,20 @@ constexpr int V = 128, K = 128, L = 16, R = 4;
 constexpr int NTHREADS = 256;
 constexpr unsigned FULL = 0xffffffffu;
 
+// One program's inputs, brought in by cp.async while the CTA computes the previous program.
+struct __align__(16) Stage {
+  uint4 codes[V][K / 16];  // row v, 16-byte chunk c stored at c ^ 4 (v & 1): a quarter-warp's 8 row reads are
+                           // conflict-free (16 KB)
+  uint4 ubuf[L][V / 8];
+  uint4 kbuf[L][K / 8];
+  uint4 gbuf[L][K / 8];
+  uint4 u[R][K / 8];
+  uint4 q[R][V / 8];
+  float s_k[K], s_v[V], pcum[K], w[L];
+};
+
 struct __align__(16) Smem {
+  Stage st;                // 32,320 B
   uint4 bsm[3][K][4];      // B as bf16, per split: [k][chunk of 8 j], chunk swizzled by (k >> 4) & 3 (24 KB)
   uint4 asm_[24][V / 8];   // A^T as bf16: rows j < 16 ubuf_j, 16-19 hi(q_r), 20-23 lo(q_r); [j][chunk of 8 v],
                            // chunk swizzled by j & 7 so that ldmatrix's 8 rows hit 8 bank groups (6 KB)
@@ -55,6 +68,50 @@ __device__ __forceinline__ uint4& s_a_chunk(Smem& sm, int j, int c) { return sm.
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem_dst)), "l"(gmem_src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// %tid.x read afresh: addresses derived from it are recomputed where they are used instead of being kept alive
+// (and spilled) across the whole loop body
+__device__ __forceinline__ int fresh_tid() {
+  uint32_t tx;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+  return static_cast<int>(tx);
+}
+
+// Issue the copies of program `prog`'s inputs into the staging area (7 or 8 16-byte copies per thread).
+__device__ __forceinline__ void prefetch_program(const FlushParams& p, Stage& st, int prog) {
+  const int tid = fresh_tid();
+  const size_t pr = static_cast<size_t>(prog);
+  const uint4* codes = reinterpret_cast<const uint4*>(p.codes + pr * V * K);
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int i = tid + NTHREADS * n, v = i >> 3, c = i & 7;
+    cp_async16(&st.codes[v][c ^ ((v & 1) << 2)], codes + i);
+  }
+  cp_async16(&st.ubuf[0][0] + tid, reinterpret_cast<const uint4*>(p.ubuf) + pr * (L * V / 8) + tid);
+  cp_async16(&st.kbuf[0][0] + tid, reinterpret_cast<const uint4*>(p.kbuf) + pr * (L * K / 8) + tid);
+  cp_async16(&st.gbuf[0][0] + tid, reinterpret_cast<const uint4*>(p.gbuf) + pr * (L * K / 8) + tid);
+  if (tid < 64) {
+    cp_async16(&st.u[0][0] + tid, reinterpret_cast<const uint4*>(p.u) + pr * (R * K / 8) + tid);
+  } else if (tid < 128) {
+    cp_async16(&st.q[0][0] + (tid - 64), reinterpret_cast<const uint4*>(p.q) + pr * (R * V / 8) + (tid - 64));
+  } else {                                      // 32 chunks each of s_k, s_v, pcum, then the 4 of w
+    auto chunk = [&](float* dst, const float* src, int i) {
+      cp_async16(reinterpret_cast<uint4*>(dst) + i, reinterpret_cast<const uint4*>(src) + i);
+    };
+    const int i = (tid - 128) & 31;
+    if (tid < 160) chunk(st.s_k, p.s_k + pr * K, i);
+    else if (tid < 192) chunk(st.s_v, p.s_v + pr * V, i);
+    else if (tid < 224) chunk(st.pcum, p.pcum + pr * K, i);
+    else if (tid < 228) chunk(st.w, p.w + pr * L, i);
+  }
+  cp_async_commit();
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
@@ -108,6 +165,11 @@ __device__ __forceinline__ void split3(float x, uint32_t& h, uint32_t& m, uint32
   const float r = x - bf16_val(h);
   m = bf16_bits(r);
   l = bf16_bits(r - bf16_val(m));
+}
+
+// two halves as one 32-bit word, a in the low half
+__device__ __forceinline__ uint32_t half_pair(__half a, __half b) {
+  return static_cast<uint32_t>(__half_as_ushort(a)) | (static_cast<uint32_t>(__half_as_ushort(b)) << 16);
 }
 
 __device__ __forceinline__ float h2f(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
@@ -204,9 +266,9 @@ __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint3
 }
 
 __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const FlushParams p) {
-  __shared__ Smem sm;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
-  const int prog = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wr = warp >> 1, wc = warp & 1;
@@ -214,379 +276,376 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
   // row of (mt, h): 32 wr + 16 mt + 8 h + g; ri = 2 mt + h
   auto row_of = [&](int ri) { return 32 * wr + 16 * (ri >> 1) + 8 * (ri & 1) + g; };
 
-  const int8_t* codes = p.codes + static_cast<size_t>(prog) * V * K;
-  const float* s_k = p.s_k + static_cast<size_t>(prog) * K;
-  const float* s_v = p.s_v + static_cast<size_t>(prog) * V;
-  const uint16_t* u = static_cast<const uint16_t*>(p.u) + static_cast<size_t>(prog) * R * K;
-  const uint16_t* q = static_cast<const uint16_t*>(p.q) + static_cast<size_t>(prog) * R * V;
-  const uint16_t* kbuf = static_cast<const uint16_t*>(p.kbuf) + static_cast<size_t>(prog) * L * K;
-  const uint16_t* ubuf = static_cast<const uint16_t*>(p.ubuf) + static_cast<size_t>(prog) * L * V;
-  const uint16_t* gbuf = static_cast<const uint16_t*>(p.gbuf) + static_cast<size_t>(prog) * L * K;
-  const float* w = p.w + static_cast<size_t>(prog) * L;
-  const float* pcum = p.pcum + static_cast<size_t>(prog) * K;
+  // Persistent: the CTA flushes programs blockIdx.x, + gridDim.x, ...; the next program's inputs are copied into
+  // the staging area while this one computes, so only the first program waits for HBM.
+  if (tid < V) sm.q0s[tid] = __ldg(reinterpret_cast<const float4*>(p.q0) + tid);
+  prefetch_program(p, sm.st, blockIdx.x);
+  for (int prog = blockIdx.x; prog < p.n_programs; prog += gridDim.x) {
+    cp_async_wait_all();
+    __syncthreads();                                                                                   // #0
 
-  // ---- 0. loads: codes rows (16 B per row), s_v; A^T (ubuf, hi / lo of q) staged in shared memory ----------------
-  uint4 cw[4];
-  float svr[4];
-#pragma unroll
-  for (int ri = 0; ri < 4; ++ri) {
-    cw[ri] = __ldg(reinterpret_cast<const uint4*>(codes + row_of(ri) * K + colbase));
-    svr[ri] = __ldg(s_v + row_of(ri));
-  }
-  {
-    // A^T rows into shared memory: ubuf as one coalesced 16-byte load per thread; hi / lo of q by the first 64
-    const int j = tid >> 4, c = tid & 15;
-    s_a_chunk(sm, j, c) = __ldg(reinterpret_cast<const uint4*>(ubuf) + tid);
-    if (tid < 64) {
-      const uint4 q8 = __ldg(reinterpret_cast<const uint4*>(q) + tid);      // q_j[8c .. 8c + 7], j = tid >> 4
-      const uint32_t qw[4] = {q8.x, q8.y, q8.z, q8.w};
-      uint32_t hi[4], lo[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint32_t h[2], l[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float x = h2f(static_cast<uint16_t>(qw[i] >> (16 * e)));
-          h[e] = bf16_bits(x);
-          l[e] = bf16_bits(x - bf16_val(h[e]));       // an fp16 value is exactly hi + lo
-        }
-        hi[i] = h[0] | h[1] << 16;
-        lo[i] = l[0] | l[1] << 16;
-      }
-      s_a_chunk(sm, L + j, c) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-      s_a_chunk(sm, L + R + j, c) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-    }
-  }
-
-  // ---- 0b. B (three bf16 splits) into shared memory; cs; q0 --------------------------------------------------------
-  {
-    const int idx = tid & 127, half = tid >> 7;
-    // a permutation of the columns so that 8 consecutive lanes store to 8 distinct 16-byte bank groups
-    const int k = (idx & 1) | (((idx >> 1) & 3) << 4) | (((idx >> 3) & 7) << 1) | ((idx >> 6) << 6);
-    const int sw = (k >> 4) & 3;
-    const float dec = expf(__ldg(pcum + k));
-    float D = 1.0f;                                    // D_j = prod_{i > j} gbuf_i, in the reference's order
-    if (half == 0) {
-#pragma unroll
-      for (int j = L - 1; j >= 8; --j) D *= h2f(__ldg(gbuf + j * K + k));
-    }
-    const int jtop = half ? 15 : 7;
-    uint32_t hw[4], mw[4], lw[4];                      // packed bf16 pairs: word i holds j&7 = 2i (low), 2i + 1
-#pragma unroll
-    for (int pp = 0; pp < 4; ++pp) {                   // pairs from the top: j = jtop - 2 pp, jtop - 2 pp - 1
-      float val[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int j = jtop - 2 * pp - e;
-        const float kv = bf16_val(__ldg(kbuf + j * K + k));
-        val[1 - e] = __ldg(w + j) * (kv * D);
-        D *= h2f(__ldg(gbuf + j * K + k));
-      }
-      uint32_t h0, m0, l0, h1, m1, l1;
-      split3(val[0], h0, m0, l0);
-      split3(val[1], h1, m1, l1);
-      hw[3 - pp] = h0 | h1 << 16;
-      mw[3 - pp] = m0 | m1 << 16;
-      lw[3 - pp] = l0 | l1 << 16;
-    }
-    const int chunk = half ^ sw;                       // logical chunk = half (j >> 3)
-    sm.bsm[0][k][chunk] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-    sm.bsm[1][k][chunk] = make_uint4(mw[0], mw[1], mw[2], mw[3]);
-    sm.bsm[2][k][chunk] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
-    if (half == 1) {
-      // j 16..23: u_r exp(pcum) twice (against the hi and the lo of q)
-      uint32_t uh[4], um[4], ul[4];
-#pragma unroll
-      for (int r = 0; r < R; ++r) split3(h2f(__ldg(u + r * K + k)) * dec, uh[r], um[r], ul[r]);
-      const int c2 = 2 ^ sw;
-      sm.bsm[0][k][c2] = make_uint4(uh[0] | uh[1] << 16, uh[2] | uh[3] << 16, uh[0] | uh[1] << 16, uh[2] | uh[3] << 16);
-      sm.bsm[1][k][c2] = make_uint4(um[0] | um[1] << 16, um[2] | um[3] << 16, um[0] | um[1] << 16, um[2] | um[3] << 16);
-      sm.bsm[2][k][c2] = make_uint4(ul[0] | ul[1] << 16, ul[2] | ul[3] << 16, ul[0] | ul[1] << 16, ul[2] | ul[3] << 16);
-    } else {
-      sm.cs[k] = (__ldg(s_k + k) / 127.0f) * dec;
-      sm.q0s[idx] = __ldg(reinterpret_cast<const float4*>(p.q0) + idx);
-    }
-  }
-  __syncthreads();                                                                                   // #1
-
-  // ---- 1. rebuild S into the accumulators ----------------------------------------------------------------------
-  float acc[2][8][4];
-  {
-    float csr[16];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 c4 = reinterpret_cast<const float4*>(sm.cs + colbase)[i];
-      csr[4 * i] = c4.x; csr[4 * i + 1] = c4.y; csr[4 * i + 2] = c4.z; csr[4 * i + 3] = c4.w;
-    }
-#pragma unroll
-    for (int ri = 0; ri < 4; ++ri) {
-      const uint32_t x[4] = {cw[ri].x ^ 0x80808080u, cw[ri].y ^ 0x80808080u, cw[ri].z ^ 0x80808080u,
-                             cw[ri].w ^ 0x80808080u};
-#pragma unroll
-      for (int b = 0; b < 16; ++b) {                  // byte b of the row chunk = column colbase + b
-        const float c = s8_to_f32(x[b >> 2], b & 3);
-        acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)] = (c * csr[b]) * svr[ri];
-      }
-    }
-  }
-  {
-    // A fragments (rows v, columns j) from the transposed staging: matrix m of the x4 is (v + 8 (m & 1), j + 8 (m >> 1))
-    uint32_t afr[2][6];
-    {
-      const int m = lane >> 3, r8 = lane & 7;
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const int vc = (32 * wr + 16 * mt) / 8 + (m & 1);
-        ldsm_x4_trans(smem_u32(&s_a_chunk(sm, r8 + 8 * (m >> 1), vc)), reinterpret_cast<uint32_t(&)[4]>(afr[mt][0]));
-        ldsm_x2_trans(smem_u32(&s_a_chunk(sm, L + r8, vc)), afr[mt][4], afr[mt][5]);
-      }
-    }
-    const uint32_t bbase = smem_u32(&sm.bsm[0][0][0]);
-    const int m = lane >> 3, r8 = lane & 7;
-    const int ksw = (r8 >> 1) & 3;                    // (k >> 4) & 3 of this lane's ldmatrix row
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int k = 64 * wc + 16 * (r8 >> 1) + 2 * nt + (r8 & 1);
-      const uint32_t off = static_cast<uint32_t>(k * 64 + ((m ^ ksw) << 4));
-      uint32_t bh[4], bm[4], bl[4];
-      ldsm_x4(bbase + off, bh);
-      ldsm_x4(bbase + 1 * K * 64 + off, bm);
-      ldsm_x4(bbase + 2 * K * 64 + off, bl);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        mma_bf16_k16(acc[mt][nt], afr[mt], bl[0], bl[1]);
-        mma_bf16_k8(acc[mt][nt], afr[mt][4], afr[mt][5], bl[2]);
-        mma_bf16_k16(acc[mt][nt], afr[mt], bm[0], bm[1]);
-        mma_bf16_k8(acc[mt][nt], afr[mt][4], afr[mt][5], bm[2]);
-        mma_bf16_k16(acc[mt][nt], afr[mt], bh[0], bh[1]);
-        mma_bf16_k8(acc[mt][nt], afr[mt][4], afr[mt][5], bh[2]);
-      }
-    }
-  }
-
-  // ---- 2. subspace iteration ---------------------------------------------------------------------------------------
-  // S^T x for x = rows of xs (fp32 [V] float4): column partials over this lane's 4 rows, reduce-scattered over the
-  // 8 lanes g of a column (lane keeps column colbase + 2 nt + (g >> 2), vector g & 3), into red[wr][k][j].
-  auto st_product = [&](const float4* xs) {
-    float xr[4][4];
-#pragma unroll
-    for (int ri = 0; ri < 4; ++ri) {
-      const float4 x4 = xs[row_of(ri)];
-      xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
-    }
-    const bool u2 = (g >> 2) & 1, u1 = (g >> 1) & 1, u0 = g & 1;
-    float* redp = sm.red + wr * 512 + (colbase + (g >> 2)) * 4 + (g & 3);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      float pv[8];
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float s = acc[0][nt][e] * xr[0][j];
-          s = fmaf(acc[0][nt][2 + e], xr[1][j], s);
-          s = fmaf(acc[1][nt][e], xr[2][j], s);
-          s = fmaf(acc[1][nt][2 + e], xr[3][j], s);
-          pv[4 * e + j] = s;
-        }
-      rs_level<8>(pv, u2, 16);
-      rs_level<4>(pv, u1, 8);
-      rs_level<2>(pv, u0, 4);
-      redp[8 * nt] = pv[0];                          // red[wr][colbase + 2 nt + (g >> 2)][g & 3]
-    }
-  };
-
-  st_product(sm.q0s);
-  __syncthreads();                                                                                   // #2
-  if (warp == 0) {
-    float a[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int k = 4 * lane + i;
-      float4 s = reinterpret_cast<const float4*>(sm.red)[k];
-#pragma unroll
-      for (int r = 1; r < 4; ++r) {
-        const float4 o = reinterpret_cast<const float4*>(sm.red)[r * 128 + k];
-        s.x += o.x; s.y += o.y; s.z += o.z; s.w += o.w;
-      }
-      a[i][0] = s.x; a[i][1] = s.y; a[i][2] = s.z; a[i][3] = s.w;
-    }
-    cgs2(a);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
-  }
-  __syncthreads();                                                                                   // #3
-
-  // S qk: row partials over this lane's 16 columns, reduce-scattered over the 4 lanes t of a row
-  {
-    float pr[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) pr[i] = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const float4 z0 = sm.vec[colbase + 2 * nt];
-      const float4 z1 = sm.vec[colbase + 2 * nt + 1];
-      const float za[2][4] = {{z0.x, z0.y, z0.z, z0.w}, {z1.x, z1.y, z1.z, z1.w}};
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float s = pr[4 * ri + j];
-          s = fmaf(acc[ri >> 1][nt][2 * (ri & 1)], za[0][j], s);
-          s = fmaf(acc[ri >> 1][nt][2 * (ri & 1) + 1], za[1][j], s);
-          pr[4 * ri + j] = s;
-        }
-    }
-    rs_level<16>(pr, t & 1, 1);            // keeps mt = t & 1
-    rs_level<8>(pr, (t >> 1) & 1, 2);      // keeps h = t >> 1
-    const int v = 32 * wr + 16 * (t & 1) + 8 * (t >> 1) + g;
-    reinterpret_cast<float4*>(sm.red)[wc * 128 + v] = make_float4(pr[0], pr[1], pr[2], pr[3]);
-  }
-  __syncthreads();                                                                                   // #4
-  if (warp == 0) {
-    float a[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int v = 4 * lane + i;
-      const float4 s0 = reinterpret_cast<const float4*>(sm.red)[v];
-      const float4 s1 = reinterpret_cast<const float4*>(sm.red)[128 + v];
-      a[i][0] = s0.x + s1.x; a[i][1] = s0.y + s1.y; a[i][2] = s0.z + s1.z; a[i][3] = s0.w + s1.w;
-    }
-    cgs2(a);
-    __half* q_new = static_cast<__half*>(p.q_new) + static_cast<size_t>(prog) * R * V;
-    uint32_t hq[4][2];                               // [i][pair]
-    __half hv[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) hv[i][r] = __float2half_rn(a[i][r]);
-      hq[i][0] = static_cast<uint32_t>(__half_as_ushort(hv[i][0])) |
-                 (static_cast<uint32_t>(__half_as_ushort(hv[i][1])) << 16);
-      hq[i][1] = static_cast<uint32_t>(__half_as_ushort(hv[i][2])) |
-                 (static_cast<uint32_t>(__half_as_ushort(hv[i][3])) << 16);
-      sm.qn16[4 * lane + i][0] = hq[i][0];
-      sm.qn16[4 * lane + i][1] = hq[i][1];
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      uint2 st;
-      st.x = static_cast<uint32_t>(__half_as_ushort(hv[0][r])) | (static_cast<uint32_t>(__half_as_ushort(hv[1][r])) << 16);
-      st.y = static_cast<uint32_t>(__half_as_ushort(hv[2][r])) | (static_cast<uint32_t>(__half_as_ushort(hv[3][r])) << 16);
-      *reinterpret_cast<uint2*>(q_new + r * V + 4 * lane) = st;
-    }
-  }
-  __syncthreads();                                                                                   // #5
-
-  st_product(sm.vec);                                  // S^T qv
-  __syncthreads();                                                                                   // #6
-  {
-    const int k = tid >> 1, jp = (tid & 1) * 2;
-    float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float2 o = *reinterpret_cast<const float2*>(sm.red + r * 512 + k * 4 + jp);
-      s0 += o.x; s1 += o.y;
-    }
-    const __half h0 = __float2half_rn(s0), h1 = __float2half_rn(s1);
-    __half* u_new = static_cast<__half*>(p.u_new) + static_cast<size_t>(prog) * R * K;
-    u_new[jp * K + k] = h0;
-    u_new[(jp + 1) * K + k] = h1;
-    sm.un16[k][tid & 1] = static_cast<uint32_t>(__half_as_ushort(__hneg(h0))) |
-                          (static_cast<uint32_t>(__half_as_ushort(__hneg(h1))) << 16);
-  }
-  __syncthreads();                                                                                   // #7
-
-  // ---- 3. residual, scales, codes ----------------------------------------------------------------------------------
-  {
-    uint32_t qa[2][2];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const int v0 = 32 * wr + 16 * mt + g;
-      qa[mt][0] = t < 2 ? sm.qn16[v0][t & 1] : 0u;
-      qa[mt][1] = t < 2 ? sm.qn16[v0 + 8][t & 1] : 0u;
-    }
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int k = 64 * wc + 16 * (g >> 1) + 2 * nt + (g & 1);
-      const uint32_t b = t < 2 ? sm.un16[k][t & 1] : 0u;
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) mma_f16_k8(acc[mt][nt], qa[mt][0], qa[mt][1], b);
-    }
-  }
-  // s_k: column sums of |E|
-  {
-    float cp[16];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        cp[2 * nt + e] = (fabsf(acc[0][nt][e]) + fabsf(acc[0][nt][2 + e])) +
-                         (fabsf(acc[1][nt][e]) + fabsf(acc[1][nt][2 + e]));
-    rs_level<16>(cp, (g >> 2) & 1, 16);
-    rs_level<8>(cp, (g >> 1) & 1, 8);
-    rs_level<4>(cp, g & 1, 4);                         // lane keeps nt = g, e = 0, 1
-    *reinterpret_cast<float2*>(sm.red + wr * 128 + colbase + 2 * g) = make_float2(cp[0], cp[1]);
-  }
-  __syncthreads();                                                                                   // #8
-  if (tid < K) {
-    const float s = (sm.red[tid] + sm.red[128 + tid]) + (sm.red[256 + tid] + sm.red[384 + tid]);
-    const float sk = fmaxf(sqrtf(s / 128.0f), 1e-12f);
-    p.s_k_new[static_cast<size_t>(prog) * K + tid] = sk;
-    sm.isk[tid] = 1.0f / sk;
-  }
-  __syncthreads();                                                                                   // #9
-  float isk[16];
-  {
-    // the lane's column base read afresh (a volatile read of %tid.x), so that the compiler does not keep the
-    // address from stage 1 alive across the whole kernel (it spilled it)
-    uint32_t tx;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
-    const float4* isk4 = reinterpret_cast<const float4*>(sm.isk + 64 * ((tx >> 5) & 1) + 16 * (tx & 3));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 c4 = isk4[i];
-      isk[4 * i] = c4.x; isk[4 * i + 1] = c4.y; isk[4 * i + 2] = c4.z; isk[4 * i + 3] = c4.w;
-    }
-  }
-  // s_v: row max of |E| / s_k
-  {
-    float rm[4];
-#pragma unroll
-    for (int ri = 0; ri < 4; ++ri) {
-      float m = 0.0f;
-#pragma unroll
-      for (int b = 0; b < 16; ++b) m = fmaxf(m, fabsf(acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)]) * isk[b]);
-      m = fmaxf(m, __shfl_xor_sync(FULL, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(FULL, m, 2));
-      rm[ri] = m;
-    }
-    if (t == 0) {
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) sm.red[512 + wc * 128 + row_of(ri)] = rm[ri];
-    }
-  }
-  __syncthreads();                                                                                   // #10
-  {
-    int8_t* codes_new = p.codes_new + static_cast<size_t>(prog) * V * K;
+    // ---- 0. from the staging area: codes rows (16 B per row), s_v; A^T (ubuf, hi / lo of q) -----------------------
+    const Stage& st = sm.st;
+    uint4 cw[4];
+    float svr[4];
 #pragma unroll
     for (int ri = 0; ri < 4; ++ri) {
       const int v = row_of(ri);
-      const float sv = fmaxf(fmaxf(sm.red[512 + v], sm.red[640 + v]), 1e-12f);
-      if (wc == 0 && t == 0) p.s_v_new[static_cast<size_t>(prog) * V + v] = sv;
-      const float step = 127.0f / sv;
-      uint32_t y[16];
+      cw[ri] = st.codes[v][(colbase >> 4) ^ ((v & 1) << 2)];
+      svr[ri] = st.s_v[v];
+    }
+    {
+      const int j = tid >> 4, c = tid & 15;
+      s_a_chunk(sm, j, c) = st.ubuf[j][c];
+      if (tid < 64) {
+        const uint4 q8 = st.q[j][c];                       // q_j[8c .. 8c + 7]
+        const uint32_t qw[4] = {q8.x, q8.y, q8.z, q8.w};
+        uint32_t hi[4], lo[4];
 #pragma unroll
-      for (int b = 0; b < 16; ++b) {
-        const float x = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)] * isk[b];
-        y[b] = __float_as_uint(__fmaf_rn(x, step, 12582912.0f));   // round half to even; low byte = the code
+        for (int i = 0; i < 4; ++i) {
+          uint32_t h[2], l[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = h2f(static_cast<uint16_t>(qw[i] >> (16 * e)));
+            h[e] = bf16_bits(x);
+            l[e] = bf16_bits(x - bf16_val(h[e]));       // an fp16 value is exactly hi + lo
+          }
+          hi[i] = h[0] | h[1] << 16;
+          lo[i] = l[0] | l[1] << 16;
+        }
+        s_a_chunk(sm, L + j, c) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        s_a_chunk(sm, L + R + j, c) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
       }
-      uint4 o;
-      o.x = pack_low_bytes(y[0], y[1], y[2], y[3]);
-      o.y = pack_low_bytes(y[4], y[5], y[6], y[7]);
-      o.z = pack_low_bytes(y[8], y[9], y[10], y[11]);
-      o.w = pack_low_bytes(y[12], y[13], y[14], y[15]);
-      *reinterpret_cast<uint4*>(codes_new + v * K + colbase) = o;
+    }
+
+    // ---- 0b. B (three bf16 splits) into shared memory; cs ----------------------------------------------------------
+    {
+      const uint16_t* kbuf = reinterpret_cast<const uint16_t*>(st.kbuf);
+      const uint16_t* gbuf = reinterpret_cast<const uint16_t*>(st.gbuf);
+      const uint16_t* u = reinterpret_cast<const uint16_t*>(st.u);
+      const int idx = tid & 127, half = tid >> 7;
+      // a permutation of the columns so that 8 consecutive lanes store to 8 distinct 16-byte bank groups
+      const int k = (idx & 1) | (((idx >> 1) & 3) << 4) | (((idx >> 3) & 7) << 1) | ((idx >> 6) << 6);
+      const int sw = (k >> 4) & 3;
+      const float dec = expf(st.pcum[k]);
+      float D = 1.0f;                                    // D_j = prod_{i > j} gbuf_i, in the reference's order
+      if (half == 0) {
+#pragma unroll
+        for (int j = L - 1; j >= 8; --j) D *= h2f(gbuf[j * K + k]);
+      }
+      const int jtop = half ? 15 : 7;
+      uint32_t hw[4], mw[4], lw[4];                      // packed bf16 pairs: word i holds j&7 = 2i (low), 2i + 1
+#pragma unroll
+      for (int pp = 0; pp < 4; ++pp) {                   // pairs from the top: j = jtop - 2 pp, jtop - 2 pp - 1
+        float val[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = jtop - 2 * pp - e;
+          const float kv = bf16_val(kbuf[j * K + k]);
+          val[1 - e] = st.w[j] * (kv * D);
+          D *= h2f(gbuf[j * K + k]);
+        }
+        uint32_t h0, m0, l0, h1, m1, l1;
+        split3(val[0], h0, m0, l0);
+        split3(val[1], h1, m1, l1);
+        hw[3 - pp] = h0 | h1 << 16;
+        mw[3 - pp] = m0 | m1 << 16;
+        lw[3 - pp] = l0 | l1 << 16;
+      }
+      const int chunk = half ^ sw;                       // logical chunk = half (j >> 3)
+      sm.bsm[0][k][chunk] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+      sm.bsm[1][k][chunk] = make_uint4(mw[0], mw[1], mw[2], mw[3]);
+      sm.bsm[2][k][chunk] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
+      if (half == 1) {
+        // j 16..23: u_r exp(pcum) twice (against the hi and the lo of q)
+        uint32_t uh[4], um[4], ul[4];
+#pragma unroll
+        for (int r = 0; r < R; ++r) split3(h2f(u[r * K + k]) * dec, uh[r], um[r], ul[r]);
+        const int c2 = 2 ^ sw;
+        auto twice = [](const uint32_t (&x)[4]) {
+          return make_uint4(x[0] | x[1] << 16, x[2] | x[3] << 16, x[0] | x[1] << 16, x[2] | x[3] << 16);
+        };
+        sm.bsm[0][k][c2] = twice(uh);
+        sm.bsm[1][k][c2] = twice(um);
+        sm.bsm[2][k][c2] = twice(ul);
+      } else {
+        sm.cs[k] = (st.s_k[k] * (1.0f / 127.0f)) * dec;
+      }
+    }
+    __syncthreads();                                                                                   // #1
+    if (prog + static_cast<int>(gridDim.x) < p.n_programs) prefetch_program(p, sm.st, prog + gridDim.x);
+
+    // ---- 1. rebuild S into the accumulators ----------------------------------------------------------------------
+    float acc[2][8][4];
+    {
+      float csr[16];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float4 c4 = reinterpret_cast<const float4*>(sm.cs + colbase)[i];
+        csr[4 * i] = c4.x; csr[4 * i + 1] = c4.y; csr[4 * i + 2] = c4.z; csr[4 * i + 3] = c4.w;
+      }
+#pragma unroll
+      for (int ri = 0; ri < 4; ++ri) {
+        const uint32_t x[4] = {cw[ri].x ^ 0x80808080u, cw[ri].y ^ 0x80808080u, cw[ri].z ^ 0x80808080u,
+                               cw[ri].w ^ 0x80808080u};
+#pragma unroll
+        for (int b = 0; b < 16; ++b) {                  // byte b of the row chunk = column colbase + b
+          const float c = s8_to_f32(x[b >> 2], b & 3);
+          acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)] = (c * csr[b]) * svr[ri];
+        }
+      }
+    }
+    {
+      // mt outer: only one m-tile's A fragments (6 registers) are live next to the 64 accumulators; the B fragments
+      // are read once per m-tile (registers, not shared-memory bandwidth, are the limit here)
+      const uint32_t bbase = smem_u32(&sm.bsm[0][0][0]);
+      const int ltid = fresh_tid();                     // recomputed here rather than kept (spilled) over the loop
+      const int m = (ltid >> 3) & 3, r8 = ltid & 7;
+      const int ksw = (r8 >> 1) & 3;                    // (k >> 4) & 3 of this lane's ldmatrix row
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        // A fragments (rows v, columns j) from the transposed staging: matrix m of the x4 covers
+        // (v + 8 (m & 1), j + 8 (m >> 1))
+        uint32_t afr[6];
+        const int vc = (32 * wr + 16 * mt) / 8 + (m & 1);
+        ldsm_x4_trans(smem_u32(&s_a_chunk(sm, r8 + 8 * (m >> 1), vc)), reinterpret_cast<uint32_t(&)[4]>(afr[0]));
+        ldsm_x2_trans(smem_u32(&s_a_chunk(sm, L + r8, vc)), afr[4], afr[5]);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int k = 64 * wc + 16 * (r8 >> 1) + 2 * nt + (r8 & 1);
+          const uint32_t off = static_cast<uint32_t>(k * 64 + ((m ^ ksw) << 4));
+          uint32_t bh[4], bm[4], bl[4];
+          ldsm_x4(bbase + off, bh);
+          ldsm_x4(bbase + 1 * K * 64 + off, bm);
+          ldsm_x4(bbase + 2 * K * 64 + off, bl);
+          mma_bf16_k16(acc[mt][nt], afr, bl[0], bl[1]);
+          mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bl[2]);
+          mma_bf16_k16(acc[mt][nt], afr, bm[0], bm[1]);
+          mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bm[2]);
+          mma_bf16_k16(acc[mt][nt], afr, bh[0], bh[1]);
+          mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bh[2]);
+        }
+      }
+    }
+
+    // ---- 2. subspace iteration -------------------------------------------------------------------------------------
+    // S^T x for x = rows of xs (fp32 [V] float4): column partials over this lane's 4 rows, reduce-scattered over the
+    // 8 lanes g of a column (lane keeps column colbase + 2 nt + (g >> 2), vector g & 3), into red[wr][k][j].
+    auto st_product = [&](const float4* xs) {
+      float xr[4][4];
+#pragma unroll
+      for (int ri = 0; ri < 4; ++ri) {
+        const float4 x4 = xs[row_of(ri)];
+        xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
+      }
+      const bool u2 = (g >> 2) & 1, u1 = (g >> 1) & 1, u0 = g & 1;
+      float* redp = sm.red + wr * 512 + (colbase + (g >> 2)) * 4 + (g & 3);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        float pv[8];
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float s = acc[0][nt][e] * xr[0][j];
+            s = fmaf(acc[0][nt][2 + e], xr[1][j], s);
+            s = fmaf(acc[1][nt][e], xr[2][j], s);
+            s = fmaf(acc[1][nt][2 + e], xr[3][j], s);
+            pv[4 * e + j] = s;
+          }
+        rs_level<8>(pv, u2, 16);
+        rs_level<4>(pv, u1, 8);
+        rs_level<2>(pv, u0, 4);
+        redp[8 * nt] = pv[0];                          // red[wr][colbase + 2 nt + (g >> 2)][g & 3]
+      }
+    };
+
+    st_product(sm.q0s);
+    __syncthreads();                                                                                   // #2
+    if (warp == 0) {
+      float a[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int k = 4 * lane + i;
+        float4 s = reinterpret_cast<const float4*>(sm.red)[k];
+#pragma unroll
+        for (int r = 1; r < 4; ++r) {
+          const float4 o = reinterpret_cast<const float4*>(sm.red)[r * 128 + k];
+          s.x += o.x; s.y += o.y; s.z += o.z; s.w += o.w;
+        }
+        a[i][0] = s.x; a[i][1] = s.y; a[i][2] = s.z; a[i][3] = s.w;
+      }
+      cgs2(a);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
+    }
+    __syncthreads();                                                                                   // #3
+
+    // S qk: row partials over this lane's 16 columns, reduce-scattered over the 4 lanes t of a row
+    {
+      float pr[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) pr[i] = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const float4 z0 = sm.vec[colbase + 2 * nt];
+        const float4 z1 = sm.vec[colbase + 2 * nt + 1];
+        const float za[2][4] = {{z0.x, z0.y, z0.z, z0.w}, {z1.x, z1.y, z1.z, z1.w}};
+#pragma unroll
+        for (int ri = 0; ri < 4; ++ri)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float s = pr[4 * ri + j];
+            s = fmaf(acc[ri >> 1][nt][2 * (ri & 1)], za[0][j], s);
+            s = fmaf(acc[ri >> 1][nt][2 * (ri & 1) + 1], za[1][j], s);
+            pr[4 * ri + j] = s;
+          }
+      }
+      rs_level<16>(pr, t & 1, 1);            // keeps mt = t & 1
+      rs_level<8>(pr, (t >> 1) & 1, 2);      // keeps h = t >> 1
+      const int v = 32 * wr + 16 * (t & 1) + 8 * (t >> 1) + g;
+      reinterpret_cast<float4*>(sm.red)[wc * 128 + v] = make_float4(pr[0], pr[1], pr[2], pr[3]);
+    }
+    __syncthreads();                                                                                   // #4
+    if (warp == 0) {
+      float a[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int v = 4 * lane + i;
+        const float4 s0 = reinterpret_cast<const float4*>(sm.red)[v];
+        const float4 s1 = reinterpret_cast<const float4*>(sm.red)[128 + v];
+        a[i][0] = s0.x + s1.x; a[i][1] = s0.y + s1.y; a[i][2] = s0.z + s1.z; a[i][3] = s0.w + s1.w;
+      }
+      cgs2(a);
+      __half* q_new = static_cast<__half*>(p.q_new) + static_cast<size_t>(prog) * R * V;
+      uint32_t hq[4][2];                               // [i][pair]
+      __half hv[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) hv[i][r] = __float2half_rn(a[i][r]);
+        hq[i][0] = half_pair(hv[i][0], hv[i][1]);
+        hq[i][1] = half_pair(hv[i][2], hv[i][3]);
+        sm.qn16[4 * lane + i][0] = hq[i][0];
+        sm.qn16[4 * lane + i][1] = hq[i][1];
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const uint2 rows = make_uint2(half_pair(hv[0][r], hv[1][r]), half_pair(hv[2][r], hv[3][r]));
+        *reinterpret_cast<uint2*>(q_new + r * V + 4 * lane) = rows;
+      }
+    }
+    __syncthreads();                                                                                   // #5
+
+    st_product(sm.vec);                                  // S^T qv
+    __syncthreads();                                                                                   // #6
+    {
+      const int k = tid >> 1, jp = (tid & 1) * 2;
+      float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float2 o = *reinterpret_cast<const float2*>(sm.red + r * 512 + k * 4 + jp);
+        s0 += o.x; s1 += o.y;
+      }
+      const __half h0 = __float2half_rn(s0), h1 = __float2half_rn(s1);
+      __half* u_new = static_cast<__half*>(p.u_new) + static_cast<size_t>(prog) * R * K;
+      u_new[jp * K + k] = h0;
+      u_new[(jp + 1) * K + k] = h1;
+      sm.un16[k][tid & 1] = half_pair(__hneg(h0), __hneg(h1));
+    }
+    __syncthreads();                                                                                   // #7
+
+    // ---- 3. residual, scales, codes --------------------------------------------------------------------------------
+    {
+      uint32_t qa[2][2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const int v0 = 32 * wr + 16 * mt + g;
+        qa[mt][0] = t < 2 ? sm.qn16[v0][t & 1] : 0u;
+        qa[mt][1] = t < 2 ? sm.qn16[v0 + 8][t & 1] : 0u;
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int k = 64 * wc + 16 * (g >> 1) + 2 * nt + (g & 1);
+        const uint32_t b = t < 2 ? sm.un16[k][t & 1] : 0u;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) mma_f16_k8(acc[mt][nt], qa[mt][0], qa[mt][1], b);
+      }
+    }
+    // s_k: column sums of |E|
+    {
+      float cp[16];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          cp[2 * nt + e] = (fabsf(acc[0][nt][e]) + fabsf(acc[0][nt][2 + e])) +
+                           (fabsf(acc[1][nt][e]) + fabsf(acc[1][nt][2 + e]));
+      rs_level<16>(cp, (g >> 2) & 1, 16);
+      rs_level<8>(cp, (g >> 1) & 1, 8);
+      rs_level<4>(cp, g & 1, 4);                         // lane keeps nt = g, e = 0, 1
+      *reinterpret_cast<float2*>(sm.red + wr * 128 + colbase + 2 * g) = make_float2(cp[0], cp[1]);
+    }
+    __syncthreads();                                                                                   // #8
+    if (tid < K) {
+      const float s = (sm.red[tid] + sm.red[128 + tid]) + (sm.red[256 + tid] + sm.red[384 + tid]);
+      const float sk = fmaxf(sqrtf(s / 128.0f), 1e-12f);
+      p.s_k_new[static_cast<size_t>(prog) * K + tid] = sk;
+      sm.isk[tid] = 1.0f / sk;
+    }
+    __syncthreads();                                                                                   // #9
+    float isk[16];
+    {
+      // the lane's column base read afresh (a volatile read of %tid.x), so that the compiler does not keep the
+      // address from stage 1 alive across the whole kernel (it spilled it)
+      const int tx = fresh_tid();
+      const float4* isk4 = reinterpret_cast<const float4*>(sm.isk + 64 * ((tx >> 5) & 1) + 16 * (tx & 3));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float4 c4 = isk4[i];
+        isk[4 * i] = c4.x; isk[4 * i + 1] = c4.y; isk[4 * i + 2] = c4.z; isk[4 * i + 3] = c4.w;
+      }
+    }
+    // s_v: row max of |E| / s_k
+    {
+      float rm[4];
+#pragma unroll
+      for (int ri = 0; ri < 4; ++ri) {
+        float m = 0.0f;
+#pragma unroll
+        for (int b = 0; b < 16; ++b) m = fmaxf(m, fabsf(acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)]) * isk[b]);
+        m = fmaxf(m, __shfl_xor_sync(FULL, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(FULL, m, 2));
+        rm[ri] = m;
+      }
+      if (t == 0) {
+#pragma unroll
+        for (int ri = 0; ri < 4; ++ri) sm.red[512 + wc * 128 + row_of(ri)] = rm[ri];
+      }
+    }
+    __syncthreads();                                                                                   // #10
+    {
+      int8_t* codes_new = p.codes_new + static_cast<size_t>(prog) * V * K;
+#pragma unroll
+      for (int ri = 0; ri < 4; ++ri) {
+        const int v = row_of(ri);
+        const float sv = fmaxf(fmaxf(sm.red[512 + v], sm.red[640 + v]), 1e-12f);
+        if (wc == 0 && t == 0) p.s_v_new[static_cast<size_t>(prog) * V + v] = sv;
+        const float step = 127.0f / sv;
+        uint32_t y[16];
+#pragma unroll
+        for (int b = 0; b < 16; ++b) {
+          const float x = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)] * isk[b];
+          y[b] = __float_as_uint(__fmaf_rn(x, step, 12582912.0f));   // round half to even; low byte = the code
+        }
+        uint4 o;
+        o.x = pack_low_bytes(y[0], y[1], y[2], y[3]);
+        o.y = pack_low_bytes(y[4], y[5], y[6], y[7]);
+        o.z = pack_low_bytes(y[8], y[9], y[10], y[11]);
+        o.w = pack_low_bytes(y[12], y[13], y[14], y[15]);
+        *reinterpret_cast<uint4*>(codes_new + v * K + colbase) = o;
+      }
     }
   }
 }
@@ -595,6 +654,13 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
 
 cudaError_t leapquant_flush_launch(const FlushParams& p, cudaStream_t stream) {
   if (p.n_programs <= 0) return cudaSuccess;
-  leapquant_flush_kernel<<<p.n_programs, NTHREADS, 0, stream>>>(p);
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(leapquant_flush_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(Smem));
+  if (err != cudaSuccess) return err;
+  const int ctas = p.n_programs < 2 * sms ? p.n_programs : 2 * sms;   // 2 resident per SM
+  leapquant_flush_kernel<<<ctas, NTHREADS, sizeof(Smem), stream>>>(p);
   return cudaGetLastError();
 }
