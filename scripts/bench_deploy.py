@@ -2,15 +2,15 @@
 solution's deployment form on the GPU and write traces/<definition>/deploy_<NAME>.json (rendered in LEADERBOARD.md
 by `python -m harness.report`). Exits 1 when a case fails its check (below), 2 on bad input.
 
-The deployment form is the solution's `pool.py` (OPERATOR.md, "Deployment form"): `Pool(num_slots, device)` with
-typed views, `write(slots, **tensors)` and the fill counter `count`, and `flush_inplace(pool, idx, q0)`. Cases, each
-one CUDA graph of one call on a pool of B + 1 slots filled with a workload's inputs (family `--family`), timed by
+The deployment form is the solution's `pool.py::flush_inplace(pool, idx, q0)` on the operator's `Pool`
+(harness/ops/leapquant_kda_flush.py, OPERATOR.md "Deployment form": one flat buffer in the published engine
+layout, the dense window and the fill counter `count`). Cases, each one CUDA graph of one call on a pool of
+B + 1 slots filled with a workload's inputs (family `--family`), timed by
 harness.timing (graph replays between CUDA events, L2 flushed before each, median of TIMED_CALLS after warm-up):
 every program due at each batch size; the steady state at the largest, one sequence in 16 due (a different 16th
 each call, as when every sequence flushes every 16 tokens); none due at the largest, against a 5 us target. Before
 every call, outside the timed region, the pool is refilled with the inputs under a fresh assignment of sequences to
-slots (idx), so nothing can be reused. The floor
-counts every byte the flushed programs read and write once, window reset included, at the measured copy rate. After
+slots (idx), so nothing can be reused. The floor counts every byte the flushed programs read and write once, window reset included, at the measured copy rate. After
 the last call of each case the due checkpoints must equal `run`'s on the same inputs bit for bit, with their
 windows reset, and every other checkpoint and window must be as refilled ("checked" in the output)."""
 from __future__ import annotations
@@ -55,7 +55,7 @@ def time_case(pool_mod, run, op, x: dict, axes: dict, counts, stream) -> tuple[f
     full = axes["window"]
     B, H = x["codes"].shape[:2]
     device = x["codes"].device
-    pool = pool_mod.Pool(B + 1, device)
+    pool = op.Pool(B + 1, device)
     idx = torch.empty(B, dtype=torch.int32, device=device)
     q0 = x["q0"].clone()
     fields = {k: v for k, v in x.items() if k != "q0"}

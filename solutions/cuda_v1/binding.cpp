@@ -16,6 +16,11 @@ void check(const at::Tensor& x, const char* name, at::ScalarType dtype, int64_t 
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "cuda_v1: ", name, " must be 16-byte aligned");
 }
 
+void launch(const FlushParams& p) {
+  const cudaError_t err = leapquant_flush_launch(p, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "cuda_v1: kernel launch failed: ", cudaGetErrorString(err));
+}
+
 std::vector<at::Tensor> flush(const at::Tensor& codes, const at::Tensor& s_k, const at::Tensor& s_v,
                               const at::Tensor& u, const at::Tensor& q, const at::Tensor& kbuf,
                               const at::Tensor& ubuf, const at::Tensor& gbuf, const at::Tensor& w,
@@ -46,7 +51,7 @@ std::vector<at::Tensor> flush(const at::Tensor& codes, const at::Tensor& s_k, co
   TORCH_CHECK(P <= INT32_MAX, "cuda_v1: batch too large");
   if (P == 0) return {codes_new, s_k_new, s_v_new, u_new, q_new};
 
-  FlushParams p;
+  FlushParams p{};
   p.codes = codes.data_ptr<int8_t>();
   p.s_k = s_k.data_ptr<float>();
   p.s_v = s_v.data_ptr<float>();
@@ -64,13 +69,64 @@ std::vector<at::Tensor> flush(const at::Tensor& codes, const at::Tensor& s_k, co
   p.u_new = u_new.data_ptr();
   p.q_new = q_new.data_ptr();
   p.n_programs = static_cast<int>(P);
-  const cudaError_t err = leapquant_flush_launch(p, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "cuda_v1: kernel launch failed: ", cudaGetErrorString(err));
+  launch(p);
   return {codes_new, s_k_new, s_v_new, u_new, q_new};
+}
+
+// The deployment form: flush in place every (idx[n], head) of the pool whose window is full (count == 16) and reset
+// its window. `buffer` is the pool's flat byte buffer in the published engine layout (region of (slot, head) at
+// HEADER + (33 slot + head) * 65,536: codes +0, s_k +16,384, s_v +16,896, fp16 rows u | q +17,408); the window, pcum
+// and count are dense [slots, 32, ...]. Only metadata is checked here (no host synchronisation): idx's values are
+// the caller's contract (in range, no slot twice); the kernel skips a slot outside [1, slots).
+void flush_inplace(const at::Tensor& buffer, const at::Tensor& kbuf, const at::Tensor& ubuf, const at::Tensor& gbuf,
+                   const at::Tensor& w, const at::Tensor& pcum, const at::Tensor& count, const at::Tensor& idx,
+                   const at::Tensor& q0) {
+  constexpr int64_t HEADER = 49152, REGION = 65536, REGIONS_PER_SLOT = 33;
+  const auto dev = buffer.device();
+  const int64_t slots = count.dim() == 2 ? count.size(0) : 0;
+  TORCH_CHECK(slots >= 2 && count.size(1) == 32, "cuda_v1: count must be [slots >= 2, 32]");
+  TORCH_CHECK(idx.dim() == 1, "cuda_v1: idx must be 1-D");
+  check(buffer, "pool buffer", at::kByte, HEADER + slots * REGIONS_PER_SLOT * REGION, dev);
+  check(kbuf, "kbuf", at::kBFloat16, slots * 32 * 16 * 128, dev);
+  check(ubuf, "ubuf", at::kBFloat16, slots * 32 * 16 * 128, dev);
+  check(gbuf, "gbuf", at::kHalf, slots * 32 * 16 * 128, dev);
+  check(w, "w", at::kFloat, slots * 32 * 16, dev);
+  check(pcum, "pcum", at::kFloat, slots * 32 * 128, dev);
+  check(count, "count", at::kInt, slots * 32, dev);
+  check(idx, "idx", at::kInt, idx.numel(), dev);
+  check(q0, "q0", at::kFloat, 128 * 4, dev);
+  TORCH_CHECK(idx.numel() * 32 <= INT32_MAX && slots * REGIONS_PER_SLOT <= INT32_MAX, "cuda_v1: pool too large");
+  if (idx.numel() == 0) return;
+
+  const c10::cuda::CUDAGuard guard(dev);
+  uint8_t* base = buffer.data_ptr<uint8_t>() + HEADER;
+  FlushParams p{};
+  p.codes = reinterpret_cast<const int8_t*>(base);
+  p.s_k = reinterpret_cast<const float*>(base + 16384);
+  p.s_v = reinterpret_cast<const float*>(base + 16896);
+  p.u = base + 17408;
+  p.q = base + 17408 + 2 * 128;
+  p.codes_new = reinterpret_cast<int8_t*>(base);
+  p.s_k_new = reinterpret_cast<float*>(base + 16384);
+  p.s_v_new = reinterpret_cast<float*>(base + 16896);
+  p.u_new = base + 17408;
+  p.q_new = base + 17408 + 2 * 128;
+  p.kbuf = kbuf.data_ptr();
+  p.ubuf = ubuf.data_ptr();
+  p.gbuf = gbuf.data_ptr();
+  p.w = w.data_ptr<float>();
+  p.pcum = pcum.data_ptr<float>();
+  p.q0 = q0.data_ptr<float>();
+  p.n_programs = static_cast<int>(idx.numel() * 32);
+  p.idx = idx.data_ptr<int32_t>();
+  p.count = count.data_ptr<int32_t>();
+  p.num_slots = static_cast<int>(slots);
+  launch(p);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flush", &flush, "LeapQuant KDA flush (cuda_v1): returns codes, s_k, s_v, u, q");
+  m.def("flush_inplace", &flush_inplace, "LeapQuant KDA flush (cuda_v1), deployment form: in place on a pool");
 }

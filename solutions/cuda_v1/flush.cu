@@ -59,6 +59,9 @@ struct __align__(16) Smem {
   float isk[K];            // 1 / s_k_new
   float4 q0s[V];           // q0 rows
   float4 vec[V];           // qk, then qv (fp32)
+  int2 due[NTHREADS];      // deployment form: this round's due programs (Records)
+  int due_in_warp[NTHREADS / 32];
+  int n_due;
   uint32_t qn16[V][2];     // q_new^T as fp16 pairs (r 0,1 | r 2,3)
   uint32_t un16[K][2];     // -u_new^T as fp16 pairs
 };
@@ -84,32 +87,55 @@ __device__ __forceinline__ int fresh_tid() {
   return static_cast<int>(tx);
 }
 
-// Issue the copies of program `prog`'s inputs into the staging area (7 or 8 16-byte copies per thread).
-__device__ __forceinline__ void prefetch_program(const FlushParams& p, Stage& st, int prog) {
+// Where a program's checkpoint and window live: `ck` indexes the checkpoint records (dense: the program; deployment
+// form: region 33 slot + head of the pool), `win` the dense window tensors (the program; 32 slot + head).
+struct Records {
+  int ck, win;
+};
+
+constexpr int POOL_REGION = 65536;                // bytes between the pool's (slot, head) regions
+constexpr int POOL_REGIONS_PER_SLOT = 33;         // 32 heads and one spare region a slot
+
+// Byte offset of checkpoint record `rec` of a field whose dense per-program size is `dense_bytes`.
+template <bool POOL>
+__device__ __forceinline__ size_t ck_offset(int rec, int dense_bytes) {
+  return static_cast<size_t>(rec) * static_cast<size_t>(POOL ? POOL_REGION : dense_bytes);
+}
+
+// Elements between the token rows of u and of q: dense [R, K] / [R, V]; the pool's rows are u | q, K + V long.
+template <bool POOL>
+__host__ __device__ constexpr int token_row() { return POOL ? K + V : K; }
+
+template <typename T>
+__device__ __forceinline__ const T* at_bytes(const void* base, size_t offset) {
+  return reinterpret_cast<const T*>(static_cast<const char*>(base) + offset);
+}
+
+// Issue the copies of a program's inputs into the staging area (7 or 8 16-byte copies per thread).
+template <bool POOL>
+__device__ __forceinline__ void prefetch_program(const FlushParams& p, Stage& st, Records rec) {
   const int tid = fresh_tid();
-  const size_t pr = static_cast<size_t>(prog);
-  const uint4* codes = reinterpret_cast<const uint4*>(p.codes + pr * V * K);
+  const size_t win = static_cast<size_t>(rec.win);
+  const uint4* codes = at_bytes<uint4>(p.codes, ck_offset<POOL>(rec.ck, V * K));
 #pragma unroll
   for (int n = 0; n < 4; ++n) {
     const int i = tid + NTHREADS * n, v = i >> 3, c = i & 7;
     cp_async16(&st.codes[v][c ^ ((v & 1) << 2)], codes + i);
   }
-  cp_async16(&st.ubuf[0][0] + tid, reinterpret_cast<const uint4*>(p.ubuf) + pr * (L * V / 8) + tid);
-  cp_async16(&st.kbuf[0][0] + tid, reinterpret_cast<const uint4*>(p.kbuf) + pr * (L * K / 8) + tid);
-  cp_async16(&st.gbuf[0][0] + tid, reinterpret_cast<const uint4*>(p.gbuf) + pr * (L * K / 8) + tid);
-  if (tid < 64) {
-    cp_async16(&st.u[0][0] + tid, reinterpret_cast<const uint4*>(p.u) + pr * (R * K / 8) + tid);
-  } else if (tid < 128) {
-    cp_async16(&st.q[0][0] + (tid - 64), reinterpret_cast<const uint4*>(p.q) + pr * (R * V / 8) + (tid - 64));
+  cp_async16(&st.ubuf[0][0] + tid, static_cast<const uint4*>(p.ubuf) + win * (L * V / 8) + tid);
+  cp_async16(&st.kbuf[0][0] + tid, static_cast<const uint4*>(p.kbuf) + win * (L * K / 8) + tid);
+  cp_async16(&st.gbuf[0][0] + tid, static_cast<const uint4*>(p.gbuf) + win * (L * K / 8) + tid);
+  if (tid < 128) {                              // the 4 token rows of u (tid < 64), then of q: 16 chunks a row
+    const int i = tid & 63, row = i >> 4, c = i & 15;
+    const void* base = tid < 64 ? p.u : p.q;
+    const uint4* src = at_bytes<uint4>(base, ck_offset<POOL>(rec.ck, 2 * R * K) + 2 * row * token_row<POOL>());
+    cp_async16((tid < 64 ? &st.u[0][0] : &st.q[0][0]) + i, src + c);
   } else {                                      // 32 chunks each of s_k, s_v, pcum, then the 4 of w
-    auto chunk = [&](float* dst, const float* src, int i) {
-      cp_async16(reinterpret_cast<uint4*>(dst) + i, reinterpret_cast<const uint4*>(src) + i);
-    };
     const int i = (tid - 128) & 31;
-    if (tid < 160) chunk(st.s_k, p.s_k + pr * K, i);
-    else if (tid < 192) chunk(st.s_v, p.s_v + pr * V, i);
-    else if (tid < 224) chunk(st.pcum, p.pcum + pr * K, i);
-    else if (tid < 228) chunk(st.w, p.w + pr * L, i);
+    if (tid < 160) cp_async16(reinterpret_cast<uint4*>(st.s_k) + i, at_bytes<uint4>(p.s_k, ck_offset<POOL>(rec.ck, 4 * K)) + i);
+    else if (tid < 192) cp_async16(reinterpret_cast<uint4*>(st.s_v) + i, at_bytes<uint4>(p.s_v, ck_offset<POOL>(rec.ck, 4 * V)) + i);
+    else if (tid < 224) cp_async16(reinterpret_cast<uint4*>(st.pcum) + i, reinterpret_cast<const uint4*>(p.pcum + win * K) + i);
+    else if (tid < 228) cp_async16(reinterpret_cast<uint4*>(st.w) + i, reinterpret_cast<const uint4*>(p.w + win * L) + i);
   }
   cp_async_commit();
 }
@@ -265,10 +291,11 @@ __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint3
   return __byte_perm(ab, cd, 0x5410u);
 }
 
-__global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const FlushParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
-
+// One program: wait for its staged inputs, flush it, and (after barrier #1, when the staging area is free) start the
+// copies of the next program's inputs; the deployment form also resets the program's window there.
+template <bool POOL>
+__device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Records rec, Records next,
+                                              bool has_next) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wr = warp >> 1, wc = warp & 1;
@@ -276,377 +303,438 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
   // row of (mt, h): 32 wr + 16 mt + 8 h + g; ri = 2 mt + h
   auto row_of = [&](int ri) { return 32 * wr + 16 * (ri >> 1) + 8 * (ri & 1) + g; };
 
-  // Persistent: the CTA flushes programs blockIdx.x, + gridDim.x, ...; the next program's inputs are copied into
-  // the staging area while this one computes, so only the first program waits for HBM.
-  if (tid < V) sm.q0s[tid] = __ldg(reinterpret_cast<const float4*>(p.q0) + tid);
-  prefetch_program(p, sm.st, blockIdx.x);
-  for (int prog = blockIdx.x; prog < p.n_programs; prog += gridDim.x) {
-    cp_async_wait_all();
-    __syncthreads();                                                                                   // #0
+  cp_async_wait_all();
+  __syncthreads();                                                                                   // #0
 
-    // ---- 0. from the staging area: codes rows (16 B per row), s_v; A^T (ubuf, hi / lo of q) -----------------------
-    const Stage& st = sm.st;
-    uint4 cw[4];
-    float svr[4];
+  // ---- 0. from the staging area: codes rows (16 B per row), s_v; A^T (ubuf, hi / lo of q) -----------------------
+  const Stage& st = sm.st;
+  uint4 cw[4];
+  float svr[4];
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const int v = row_of(ri);
+    cw[ri] = st.codes[v][(colbase >> 4) ^ ((v & 1) << 2)];
+    svr[ri] = st.s_v[v];
+  }
+  {
+    const int j = tid >> 4, c = tid & 15;
+    s_a_chunk(sm, j, c) = st.ubuf[j][c];
+    if (tid < 64) {
+      const uint4 q8 = st.q[j][c];                       // q_j[8c .. 8c + 7]
+      const uint32_t qw[4] = {q8.x, q8.y, q8.z, q8.w};
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint32_t h[2], l[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = h2f(static_cast<uint16_t>(qw[i] >> (16 * e)));
+          h[e] = bf16_bits(x);
+          l[e] = bf16_bits(x - bf16_val(h[e]));       // an fp16 value is exactly hi + lo
+        }
+        hi[i] = h[0] | h[1] << 16;
+        lo[i] = l[0] | l[1] << 16;
+      }
+      s_a_chunk(sm, L + j, c) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      s_a_chunk(sm, L + R + j, c) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
+  }
+
+  // ---- 0b. B (three bf16 splits) into shared memory; cs ----------------------------------------------------------
+  {
+    const uint16_t* kbuf = reinterpret_cast<const uint16_t*>(st.kbuf);
+    const uint16_t* gbuf = reinterpret_cast<const uint16_t*>(st.gbuf);
+    const uint16_t* u = reinterpret_cast<const uint16_t*>(st.u);
+    const int idx = tid & 127, half = tid >> 7;
+    // a permutation of the columns so that 8 consecutive lanes store to 8 distinct 16-byte bank groups
+    const int k = (idx & 1) | (((idx >> 1) & 3) << 4) | (((idx >> 3) & 7) << 1) | ((idx >> 6) << 6);
+    const int sw = (k >> 4) & 3;
+    const float dec = expf(st.pcum[k]);
+    float D = 1.0f;                                    // D_j = prod_{i > j} gbuf_i, in the reference's order
+    if (half == 0) {
+#pragma unroll
+      for (int j = L - 1; j >= 8; --j) D *= h2f(gbuf[j * K + k]);
+    }
+    const int jtop = half ? 15 : 7;
+    uint32_t hw[4], mw[4], lw[4];                      // packed bf16 pairs: word i holds j&7 = 2i (low), 2i + 1
+#pragma unroll
+    for (int pp = 0; pp < 4; ++pp) {                   // pairs from the top: j = jtop - 2 pp, jtop - 2 pp - 1
+      float val[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = jtop - 2 * pp - e;
+        const float kv = bf16_val(kbuf[j * K + k]);
+        val[1 - e] = st.w[j] * (kv * D);
+        D *= h2f(gbuf[j * K + k]);
+      }
+      uint32_t h0, m0, l0, h1, m1, l1;
+      split3(val[0], h0, m0, l0);
+      split3(val[1], h1, m1, l1);
+      hw[3 - pp] = h0 | h1 << 16;
+      mw[3 - pp] = m0 | m1 << 16;
+      lw[3 - pp] = l0 | l1 << 16;
+    }
+    const int chunk = half ^ sw;                       // logical chunk = half (j >> 3)
+    sm.bsm[0][k][chunk] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+    sm.bsm[1][k][chunk] = make_uint4(mw[0], mw[1], mw[2], mw[3]);
+    sm.bsm[2][k][chunk] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
+    if (half == 1) {
+      // j 16..23: u_r exp(pcum) twice (against the hi and the lo of q)
+      uint32_t uh[4], um[4], ul[4];
+#pragma unroll
+      for (int r = 0; r < R; ++r) split3(h2f(u[r * K + k]) * dec, uh[r], um[r], ul[r]);
+      const int c2 = 2 ^ sw;
+      auto twice = [](const uint32_t (&x)[4]) {
+        return make_uint4(x[0] | x[1] << 16, x[2] | x[3] << 16, x[0] | x[1] << 16, x[2] | x[3] << 16);
+      };
+      sm.bsm[0][k][c2] = twice(uh);
+      sm.bsm[1][k][c2] = twice(um);
+      sm.bsm[2][k][c2] = twice(ul);
+    } else {
+      sm.cs[k] = (st.s_k[k] * (1.0f / 127.0f)) * dec;
+    }
+  }
+  __syncthreads();                                                                                   // #1
+  if (has_next) prefetch_program<POOL>(p, sm.st, next);
+  if (POOL) {
+    // reset the window (its staged copy is complete): w = 0, pcum = 0, gbuf = 1
+    const size_t win = static_cast<size_t>(rec.win);
+    const uint4 ones = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);   // fp16 1.0 pairs
+    static_cast<uint4*>(p.gbuf)[win * (L * K / 8) + tid] = ones;
+    if (tid < 32) reinterpret_cast<uint4*>(p.pcum + win * K)[tid] = make_uint4(0, 0, 0, 0);
+    else if (tid < 36) reinterpret_cast<uint4*>(p.w + win * L)[tid - 32] = make_uint4(0, 0, 0, 0);
+  }
+
+  // ---- 1. rebuild S into the accumulators ----------------------------------------------------------------------
+  float acc[2][8][4];
+  {
+    float csr[16];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 c4 = reinterpret_cast<const float4*>(sm.cs + colbase)[i];
+      csr[4 * i] = c4.x; csr[4 * i + 1] = c4.y; csr[4 * i + 2] = c4.z; csr[4 * i + 3] = c4.w;
+    }
+#pragma unroll
+    for (int ri = 0; ri < 4; ++ri) {
+      const uint32_t x[4] = {cw[ri].x ^ 0x80808080u, cw[ri].y ^ 0x80808080u, cw[ri].z ^ 0x80808080u,
+                             cw[ri].w ^ 0x80808080u};
+#pragma unroll
+      for (int b = 0; b < 16; ++b) {                  // byte b of the row chunk = column colbase + b
+        const float c = s8_to_f32(x[b >> 2], b & 3);
+        acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)] = (c * csr[b]) * svr[ri];
+      }
+    }
+  }
+  {
+    // mt outer: only one m-tile's A fragments (6 registers) are live next to the 64 accumulators; the B fragments
+    // are read once per m-tile (registers, not shared-memory bandwidth, are the limit here)
+    const uint32_t bbase = smem_u32(&sm.bsm[0][0][0]);
+    const int ltid = fresh_tid();                     // recomputed here rather than kept (spilled) over the loop
+    const int m = (ltid >> 3) & 3, r8 = ltid & 7;
+    const int ksw = (r8 >> 1) & 3;                    // (k >> 4) & 3 of this lane's ldmatrix row
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      // A fragments (rows v, columns j) from the transposed staging: matrix m of the x4 covers
+      // (v + 8 (m & 1), j + 8 (m >> 1))
+      uint32_t afr[6];
+      const int vc = (32 * wr + 16 * mt) / 8 + (m & 1);
+      ldsm_x4_trans(smem_u32(&s_a_chunk(sm, r8 + 8 * (m >> 1), vc)), reinterpret_cast<uint32_t(&)[4]>(afr[0]));
+      ldsm_x2_trans(smem_u32(&s_a_chunk(sm, L + r8, vc)), afr[4], afr[5]);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int k = 64 * wc + 16 * (r8 >> 1) + 2 * nt + (r8 & 1);
+        const uint32_t off = static_cast<uint32_t>(k * 64 + ((m ^ ksw) << 4));
+        uint32_t bh[4], bm[4], bl[4];
+        ldsm_x4(bbase + off, bh);
+        ldsm_x4(bbase + 1 * K * 64 + off, bm);
+        ldsm_x4(bbase + 2 * K * 64 + off, bl);
+        mma_bf16_k16(acc[mt][nt], afr, bl[0], bl[1]);
+        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bl[2]);
+        mma_bf16_k16(acc[mt][nt], afr, bm[0], bm[1]);
+        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bm[2]);
+        mma_bf16_k16(acc[mt][nt], afr, bh[0], bh[1]);
+        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bh[2]);
+      }
+    }
+  }
+
+  // ---- 2. subspace iteration -------------------------------------------------------------------------------------
+  // S^T x for x = rows of xs (fp32 [V] float4): column partials over this lane's 4 rows, reduce-scattered over the
+  // 8 lanes g of a column (lane keeps column colbase + 2 nt + (g >> 2), vector g & 3), into red[wr][k][j].
+  auto st_product = [&](const float4* xs) {
+    float xr[4][4];
+#pragma unroll
+    for (int ri = 0; ri < 4; ++ri) {
+      const float4 x4 = xs[row_of(ri)];
+      xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
+    }
+    const bool u2 = (g >> 2) & 1, u1 = (g >> 1) & 1, u0 = g & 1;
+    float* redp = sm.red + wr * 512 + (colbase + (g >> 2)) * 4 + (g & 3);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      float pv[8];
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float s = acc[0][nt][e] * xr[0][j];
+          s = fmaf(acc[0][nt][2 + e], xr[1][j], s);
+          s = fmaf(acc[1][nt][e], xr[2][j], s);
+          s = fmaf(acc[1][nt][2 + e], xr[3][j], s);
+          pv[4 * e + j] = s;
+        }
+      rs_level<8>(pv, u2, 16);
+      rs_level<4>(pv, u1, 8);
+      rs_level<2>(pv, u0, 4);
+      redp[8 * nt] = pv[0];                          // red[wr][colbase + 2 nt + (g >> 2)][g & 3]
+    }
+  };
+
+  st_product(sm.q0s);
+  __syncthreads();                                                                                   // #2
+  if (warp == 0) {
+    float a[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int k = 4 * lane + i;
+      float4 s = reinterpret_cast<const float4*>(sm.red)[k];
+#pragma unroll
+      for (int r = 1; r < 4; ++r) {
+        const float4 o = reinterpret_cast<const float4*>(sm.red)[r * 128 + k];
+        s.x += o.x; s.y += o.y; s.z += o.z; s.w += o.w;
+      }
+      a[i][0] = s.x; a[i][1] = s.y; a[i][2] = s.z; a[i][3] = s.w;
+    }
+    cgs2(a);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
+  }
+  __syncthreads();                                                                                   // #3
+
+  // S qk: row partials over this lane's 16 columns, reduce-scattered over the 4 lanes t of a row
+  {
+    float pr[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) pr[i] = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const float4 z0 = sm.vec[colbase + 2 * nt];
+      const float4 z1 = sm.vec[colbase + 2 * nt + 1];
+      const float za[2][4] = {{z0.x, z0.y, z0.z, z0.w}, {z1.x, z1.y, z1.z, z1.w}};
+#pragma unroll
+      for (int ri = 0; ri < 4; ++ri)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float s = pr[4 * ri + j];
+          s = fmaf(acc[ri >> 1][nt][2 * (ri & 1)], za[0][j], s);
+          s = fmaf(acc[ri >> 1][nt][2 * (ri & 1) + 1], za[1][j], s);
+          pr[4 * ri + j] = s;
+        }
+    }
+    rs_level<16>(pr, t & 1, 1);            // keeps mt = t & 1
+    rs_level<8>(pr, (t >> 1) & 1, 2);      // keeps h = t >> 1
+    const int v = 32 * wr + 16 * (t & 1) + 8 * (t >> 1) + g;
+    reinterpret_cast<float4*>(sm.red)[wc * 128 + v] = make_float4(pr[0], pr[1], pr[2], pr[3]);
+  }
+  __syncthreads();                                                                                   // #4
+  if (warp == 0) {
+    float a[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int v = 4 * lane + i;
+      const float4 s0 = reinterpret_cast<const float4*>(sm.red)[v];
+      const float4 s1 = reinterpret_cast<const float4*>(sm.red)[128 + v];
+      a[i][0] = s0.x + s1.x; a[i][1] = s0.y + s1.y; a[i][2] = s0.z + s1.z; a[i][3] = s0.w + s1.w;
+    }
+    cgs2(a);
+    __half* q_new = reinterpret_cast<__half*>(static_cast<char*>(p.q_new) + ck_offset<POOL>(rec.ck, 2 * R * V));
+    uint32_t hq[4][2];                               // [i][pair]
+    __half hv[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) hv[i][r] = __float2half_rn(a[i][r]);
+      hq[i][0] = half_pair(hv[i][0], hv[i][1]);
+      hq[i][1] = half_pair(hv[i][2], hv[i][3]);
+      sm.qn16[4 * lane + i][0] = hq[i][0];
+      sm.qn16[4 * lane + i][1] = hq[i][1];
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const uint2 rows = make_uint2(half_pair(hv[0][r], hv[1][r]), half_pair(hv[2][r], hv[3][r]));
+      *reinterpret_cast<uint2*>(q_new + r * token_row<POOL>() + 4 * lane) = rows;
+    }
+  }
+  __syncthreads();                                                                                   // #5
+
+  st_product(sm.vec);                                  // S^T qv
+  __syncthreads();                                                                                   // #6
+  {
+    const int k = tid >> 1, jp = (tid & 1) * 2;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float2 o = *reinterpret_cast<const float2*>(sm.red + r * 512 + k * 4 + jp);
+      s0 += o.x; s1 += o.y;
+    }
+    const __half h0 = __float2half_rn(s0), h1 = __float2half_rn(s1);
+    __half* u_new = reinterpret_cast<__half*>(static_cast<char*>(p.u_new) + ck_offset<POOL>(rec.ck, 2 * R * K));
+    u_new[jp * token_row<POOL>() + k] = h0;
+    u_new[(jp + 1) * token_row<POOL>() + k] = h1;
+    sm.un16[k][tid & 1] = half_pair(__hneg(h0), __hneg(h1));
+  }
+  __syncthreads();                                                                                   // #7
+
+  // ---- 3. residual, scales, codes --------------------------------------------------------------------------------
+  {
+    uint32_t qa[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const int v0 = 32 * wr + 16 * mt + g;
+      qa[mt][0] = t < 2 ? sm.qn16[v0][t & 1] : 0u;
+      qa[mt][1] = t < 2 ? sm.qn16[v0 + 8][t & 1] : 0u;
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int k = 64 * wc + 16 * (g >> 1) + 2 * nt + (g & 1);
+      const uint32_t b = t < 2 ? sm.un16[k][t & 1] : 0u;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) mma_f16_k8(acc[mt][nt], qa[mt][0], qa[mt][1], b);
+    }
+  }
+  // s_k: column sums of |E|
+  {
+    float cp[16];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        cp[2 * nt + e] = (fabsf(acc[0][nt][e]) + fabsf(acc[0][nt][2 + e])) +
+                         (fabsf(acc[1][nt][e]) + fabsf(acc[1][nt][2 + e]));
+    rs_level<16>(cp, (g >> 2) & 1, 16);
+    rs_level<8>(cp, (g >> 1) & 1, 8);
+    rs_level<4>(cp, g & 1, 4);                         // lane keeps nt = g, e = 0, 1
+    *reinterpret_cast<float2*>(sm.red + wr * 128 + colbase + 2 * g) = make_float2(cp[0], cp[1]);
+  }
+  __syncthreads();                                                                                   // #8
+  if (tid < K) {
+    const float s = (sm.red[tid] + sm.red[128 + tid]) + (sm.red[256 + tid] + sm.red[384 + tid]);
+    const float sk = fmaxf(sqrtf(s / 128.0f), 1e-12f);
+    reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_k_new) + ck_offset<POOL>(rec.ck, 4 * K))[tid] = sk;
+    sm.isk[tid] = 1.0f / sk;
+  }
+  __syncthreads();                                                                                   // #9
+  float isk[16];
+  {
+    // the lane's column base read afresh (a volatile read of %tid.x), so that the compiler does not keep the
+    // address from stage 1 alive across the whole kernel (it spilled it)
+    const int tx = fresh_tid();
+    const float4* isk4 = reinterpret_cast<const float4*>(sm.isk + 64 * ((tx >> 5) & 1) + 16 * (tx & 3));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 c4 = isk4[i];
+      isk[4 * i] = c4.x; isk[4 * i + 1] = c4.y; isk[4 * i + 2] = c4.z; isk[4 * i + 3] = c4.w;
+    }
+  }
+  // s_v: row max of |E| / s_k
+  {
+    float rm[4];
+#pragma unroll
+    for (int ri = 0; ri < 4; ++ri) {
+      float m = 0.0f;
+#pragma unroll
+      for (int b = 0; b < 16; ++b) m = fmaxf(m, fabsf(acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)]) * isk[b]);
+      m = fmaxf(m, __shfl_xor_sync(FULL, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(FULL, m, 2));
+      rm[ri] = m;
+    }
+    if (t == 0) {
+#pragma unroll
+      for (int ri = 0; ri < 4; ++ri) sm.red[512 + wc * 128 + row_of(ri)] = rm[ri];
+    }
+  }
+  __syncthreads();                                                                                   // #10
+  {
+    int8_t* codes_new = p.codes_new + ck_offset<POOL>(rec.ck, V * K);
+    float* s_v_new = reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_v_new) + ck_offset<POOL>(rec.ck, 4 * V));
 #pragma unroll
     for (int ri = 0; ri < 4; ++ri) {
       const int v = row_of(ri);
-      cw[ri] = st.codes[v][(colbase >> 4) ^ ((v & 1) << 2)];
-      svr[ri] = st.s_v[v];
-    }
-    {
-      const int j = tid >> 4, c = tid & 15;
-      s_a_chunk(sm, j, c) = st.ubuf[j][c];
-      if (tid < 64) {
-        const uint4 q8 = st.q[j][c];                       // q_j[8c .. 8c + 7]
-        const uint32_t qw[4] = {q8.x, q8.y, q8.z, q8.w};
-        uint32_t hi[4], lo[4];
+      const float sv = fmaxf(fmaxf(sm.red[512 + v], sm.red[640 + v]), 1e-12f);
+      if (wc == 0 && t == 0) s_v_new[v] = sv;
+      const float step = 127.0f / sv;
+      uint32_t y[16];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          uint32_t h[2], l[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float x = h2f(static_cast<uint16_t>(qw[i] >> (16 * e)));
-            h[e] = bf16_bits(x);
-            l[e] = bf16_bits(x - bf16_val(h[e]));       // an fp16 value is exactly hi + lo
-          }
-          hi[i] = h[0] | h[1] << 16;
-          lo[i] = l[0] | l[1] << 16;
-        }
-        s_a_chunk(sm, L + j, c) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-        s_a_chunk(sm, L + R + j, c) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      for (int b = 0; b < 16; ++b) {
+        const float x = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)] * isk[b];
+        y[b] = __float_as_uint(__fmaf_rn(x, step, 12582912.0f));   // round half to even; low byte = the code
       }
+      uint4 o;
+      o.x = pack_low_bytes(y[0], y[1], y[2], y[3]);
+      o.y = pack_low_bytes(y[4], y[5], y[6], y[7]);
+      o.z = pack_low_bytes(y[8], y[9], y[10], y[11]);
+      o.w = pack_low_bytes(y[12], y[13], y[14], y[15]);
+      *reinterpret_cast<uint4*>(codes_new + v * K + colbase) = o;
     }
+  }
+}
 
-    // ---- 0b. B (three bf16 splits) into shared memory; cs ----------------------------------------------------------
-    {
-      const uint16_t* kbuf = reinterpret_cast<const uint16_t*>(st.kbuf);
-      const uint16_t* gbuf = reinterpret_cast<const uint16_t*>(st.gbuf);
-      const uint16_t* u = reinterpret_cast<const uint16_t*>(st.u);
-      const int idx = tid & 127, half = tid >> 7;
-      // a permutation of the columns so that 8 consecutive lanes store to 8 distinct 16-byte bank groups
-      const int k = (idx & 1) | (((idx >> 1) & 3) << 4) | (((idx >> 3) & 7) << 1) | ((idx >> 6) << 6);
-      const int sw = (k >> 4) & 3;
-      const float dec = expf(st.pcum[k]);
-      float D = 1.0f;                                    // D_j = prod_{i > j} gbuf_i, in the reference's order
-      if (half == 0) {
-#pragma unroll
-        for (int j = L - 1; j >= 8; --j) D *= h2f(gbuf[j * K + k]);
-      }
-      const int jtop = half ? 15 : 7;
-      uint32_t hw[4], mw[4], lw[4];                      // packed bf16 pairs: word i holds j&7 = 2i (low), 2i + 1
-#pragma unroll
-      for (int pp = 0; pp < 4; ++pp) {                   // pairs from the top: j = jtop - 2 pp, jtop - 2 pp - 1
-        float val[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = jtop - 2 * pp - e;
-          const float kv = bf16_val(kbuf[j * K + k]);
-          val[1 - e] = st.w[j] * (kv * D);
-          D *= h2f(gbuf[j * K + k]);
-        }
-        uint32_t h0, m0, l0, h1, m1, l1;
-        split3(val[0], h0, m0, l0);
-        split3(val[1], h1, m1, l1);
-        hw[3 - pp] = h0 | h1 << 16;
-        mw[3 - pp] = m0 | m1 << 16;
-        lw[3 - pp] = l0 | l1 << 16;
-      }
-      const int chunk = half ^ sw;                       // logical chunk = half (j >> 3)
-      sm.bsm[0][k][chunk] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-      sm.bsm[1][k][chunk] = make_uint4(mw[0], mw[1], mw[2], mw[3]);
-      sm.bsm[2][k][chunk] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
-      if (half == 1) {
-        // j 16..23: u_r exp(pcum) twice (against the hi and the lo of q)
-        uint32_t uh[4], um[4], ul[4];
-#pragma unroll
-        for (int r = 0; r < R; ++r) split3(h2f(u[r * K + k]) * dec, uh[r], um[r], ul[r]);
-        const int c2 = 2 ^ sw;
-        auto twice = [](const uint32_t (&x)[4]) {
-          return make_uint4(x[0] | x[1] << 16, x[2] | x[3] << 16, x[0] | x[1] << 16, x[2] | x[3] << 16);
-        };
-        sm.bsm[0][k][c2] = twice(uh);
-        sm.bsm[1][k][c2] = twice(um);
-        sm.bsm[2][k][c2] = twice(ul);
-      } else {
-        sm.cs[k] = (st.s_k[k] * (1.0f / 127.0f)) * dec;
+// Persistent CTAs, 2 per SM: each flushes its share of the programs one after the other; the next program's inputs
+// are copied into the staging area while the current one computes, so only the first waits for HBM.
+// Dense form: programs blockIdx.x, + gridDim.x, ... Deployment form: the same candidates, 256 at a time, are checked
+// by all threads at once (slot in range, window full) and the due ones flushed in order; a call with none due costs
+// each CTA one round of two dependent loads.
+template <bool POOL>
+__global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const FlushParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  const int tid = threadIdx.x;
+  const int stride = gridDim.x;
+  if (tid < V) sm.q0s[tid] = __ldg(reinterpret_cast<const float4*>(p.q0) + tid);
+  if constexpr (!POOL) {
+    prefetch_program<POOL>(p, sm.st, Records{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.x)});
+    for (int prog = blockIdx.x; prog < p.n_programs; prog += stride) {
+      const int next = prog + stride;
+      flush_program<POOL>(p, sm, Records{prog, prog}, Records{next, next}, next < p.n_programs);
+    }
+  } else {
+  for (int first = blockIdx.x; first < p.n_programs; first += NTHREADS * stride) {
+    // candidate tid of this round: program (n, head) = first + tid * stride
+    const int prog = first + tid * stride;
+    bool due = false;
+    Records rec{0, 0};
+    if (prog < p.n_programs) {
+      const int n = prog / 32, head = prog % 32;
+      const int slot = __ldg(p.idx + n);
+      if (slot > 0 && slot < p.num_slots) {
+        due = __ldg(p.count + slot * 32 + head) == L;
+        rec = Records{POOL_REGIONS_PER_SLOT * slot + head, 32 * slot + head};
       }
     }
-    __syncthreads();                                                                                   // #1
-    if (prog + static_cast<int>(gridDim.x) < p.n_programs) prefetch_program(p, sm.st, prog + gridDim.x);
-
-    // ---- 1. rebuild S into the accumulators ----------------------------------------------------------------------
-    float acc[2][8][4];
-    {
-      float csr[16];
+    // order-preserving compaction of the due candidates into sm.due
+    const unsigned ballot = __ballot_sync(FULL, due);
+    if ((tid & 31) == 0) sm.due_in_warp[tid >> 5] = __popc(ballot);
+    __syncthreads();
+    int before = __popc(ballot & ((1u << (tid & 31)) - 1u)), n_due = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float4 c4 = reinterpret_cast<const float4*>(sm.cs + colbase)[i];
-        csr[4 * i] = c4.x; csr[4 * i + 1] = c4.y; csr[4 * i + 2] = c4.z; csr[4 * i + 3] = c4.w;
-      }
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) {
-        const uint32_t x[4] = {cw[ri].x ^ 0x80808080u, cw[ri].y ^ 0x80808080u, cw[ri].z ^ 0x80808080u,
-                               cw[ri].w ^ 0x80808080u};
-#pragma unroll
-        for (int b = 0; b < 16; ++b) {                  // byte b of the row chunk = column colbase + b
-          const float c = s8_to_f32(x[b >> 2], b & 3);
-          acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)] = (c * csr[b]) * svr[ri];
-        }
-      }
+    for (int w8 = 0; w8 < NTHREADS / 32; ++w8) {
+      before += w8 < (tid >> 5) ? sm.due_in_warp[w8] : 0;
+      n_due += sm.due_in_warp[w8];
     }
-    {
-      // mt outer: only one m-tile's A fragments (6 registers) are live next to the 64 accumulators; the B fragments
-      // are read once per m-tile (registers, not shared-memory bandwidth, are the limit here)
-      const uint32_t bbase = smem_u32(&sm.bsm[0][0][0]);
-      const int ltid = fresh_tid();                     // recomputed here rather than kept (spilled) over the loop
-      const int m = (ltid >> 3) & 3, r8 = ltid & 7;
-      const int ksw = (r8 >> 1) & 3;                    // (k >> 4) & 3 of this lane's ldmatrix row
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        // A fragments (rows v, columns j) from the transposed staging: matrix m of the x4 covers
-        // (v + 8 (m & 1), j + 8 (m >> 1))
-        uint32_t afr[6];
-        const int vc = (32 * wr + 16 * mt) / 8 + (m & 1);
-        ldsm_x4_trans(smem_u32(&s_a_chunk(sm, r8 + 8 * (m >> 1), vc)), reinterpret_cast<uint32_t(&)[4]>(afr[0]));
-        ldsm_x2_trans(smem_u32(&s_a_chunk(sm, L + r8, vc)), afr[4], afr[5]);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const int k = 64 * wc + 16 * (r8 >> 1) + 2 * nt + (r8 & 1);
-          const uint32_t off = static_cast<uint32_t>(k * 64 + ((m ^ ksw) << 4));
-          uint32_t bh[4], bm[4], bl[4];
-          ldsm_x4(bbase + off, bh);
-          ldsm_x4(bbase + 1 * K * 64 + off, bm);
-          ldsm_x4(bbase + 2 * K * 64 + off, bl);
-          mma_bf16_k16(acc[mt][nt], afr, bl[0], bl[1]);
-          mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bl[2]);
-          mma_bf16_k16(acc[mt][nt], afr, bm[0], bm[1]);
-          mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bm[2]);
-          mma_bf16_k16(acc[mt][nt], afr, bh[0], bh[1]);
-          mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bh[2]);
-        }
-      }
+    if (due) sm.due[before] = make_int2(rec.ck, rec.win);
+    if (tid == 0) sm.n_due = n_due;
+    __syncthreads();
+    if (n_due == 0) continue;
+    auto due_records = [&](int i) { const int2 r = sm.due[i]; return Records{r.x, r.y}; };
+    prefetch_program<POOL>(p, sm.st, due_records(0));
+    // the count is re-read from shared memory each time rather than held (and spilled) over the flush
+    for (int i = 0; i < sm.n_due; ++i) {
+      const bool more = i + 1 < sm.n_due;
+      flush_program<POOL>(p, sm, due_records(i), due_records(more ? i + 1 : i), more);
     }
-
-    // ---- 2. subspace iteration -------------------------------------------------------------------------------------
-    // S^T x for x = rows of xs (fp32 [V] float4): column partials over this lane's 4 rows, reduce-scattered over the
-    // 8 lanes g of a column (lane keeps column colbase + 2 nt + (g >> 2), vector g & 3), into red[wr][k][j].
-    auto st_product = [&](const float4* xs) {
-      float xr[4][4];
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) {
-        const float4 x4 = xs[row_of(ri)];
-        xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
-      }
-      const bool u2 = (g >> 2) & 1, u1 = (g >> 1) & 1, u0 = g & 1;
-      float* redp = sm.red + wr * 512 + (colbase + (g >> 2)) * 4 + (g & 3);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        float pv[8];
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            float s = acc[0][nt][e] * xr[0][j];
-            s = fmaf(acc[0][nt][2 + e], xr[1][j], s);
-            s = fmaf(acc[1][nt][e], xr[2][j], s);
-            s = fmaf(acc[1][nt][2 + e], xr[3][j], s);
-            pv[4 * e + j] = s;
-          }
-        rs_level<8>(pv, u2, 16);
-        rs_level<4>(pv, u1, 8);
-        rs_level<2>(pv, u0, 4);
-        redp[8 * nt] = pv[0];                          // red[wr][colbase + 2 nt + (g >> 2)][g & 3]
-      }
-    };
-
-    st_product(sm.q0s);
-    __syncthreads();                                                                                   // #2
-    if (warp == 0) {
-      float a[4][4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int k = 4 * lane + i;
-        float4 s = reinterpret_cast<const float4*>(sm.red)[k];
-#pragma unroll
-        for (int r = 1; r < 4; ++r) {
-          const float4 o = reinterpret_cast<const float4*>(sm.red)[r * 128 + k];
-          s.x += o.x; s.y += o.y; s.z += o.z; s.w += o.w;
-        }
-        a[i][0] = s.x; a[i][1] = s.y; a[i][2] = s.z; a[i][3] = s.w;
-      }
-      cgs2(a);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
-    }
-    __syncthreads();                                                                                   // #3
-
-    // S qk: row partials over this lane's 16 columns, reduce-scattered over the 4 lanes t of a row
-    {
-      float pr[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) pr[i] = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const float4 z0 = sm.vec[colbase + 2 * nt];
-        const float4 z1 = sm.vec[colbase + 2 * nt + 1];
-        const float za[2][4] = {{z0.x, z0.y, z0.z, z0.w}, {z1.x, z1.y, z1.z, z1.w}};
-#pragma unroll
-        for (int ri = 0; ri < 4; ++ri)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            float s = pr[4 * ri + j];
-            s = fmaf(acc[ri >> 1][nt][2 * (ri & 1)], za[0][j], s);
-            s = fmaf(acc[ri >> 1][nt][2 * (ri & 1) + 1], za[1][j], s);
-            pr[4 * ri + j] = s;
-          }
-      }
-      rs_level<16>(pr, t & 1, 1);            // keeps mt = t & 1
-      rs_level<8>(pr, (t >> 1) & 1, 2);      // keeps h = t >> 1
-      const int v = 32 * wr + 16 * (t & 1) + 8 * (t >> 1) + g;
-      reinterpret_cast<float4*>(sm.red)[wc * 128 + v] = make_float4(pr[0], pr[1], pr[2], pr[3]);
-    }
-    __syncthreads();                                                                                   // #4
-    if (warp == 0) {
-      float a[4][4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int v = 4 * lane + i;
-        const float4 s0 = reinterpret_cast<const float4*>(sm.red)[v];
-        const float4 s1 = reinterpret_cast<const float4*>(sm.red)[128 + v];
-        a[i][0] = s0.x + s1.x; a[i][1] = s0.y + s1.y; a[i][2] = s0.z + s1.z; a[i][3] = s0.w + s1.w;
-      }
-      cgs2(a);
-      __half* q_new = static_cast<__half*>(p.q_new) + static_cast<size_t>(prog) * R * V;
-      uint32_t hq[4][2];                               // [i][pair]
-      __half hv[4][4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) hv[i][r] = __float2half_rn(a[i][r]);
-        hq[i][0] = half_pair(hv[i][0], hv[i][1]);
-        hq[i][1] = half_pair(hv[i][2], hv[i][3]);
-        sm.qn16[4 * lane + i][0] = hq[i][0];
-        sm.qn16[4 * lane + i][1] = hq[i][1];
-      }
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const uint2 rows = make_uint2(half_pair(hv[0][r], hv[1][r]), half_pair(hv[2][r], hv[3][r]));
-        *reinterpret_cast<uint2*>(q_new + r * V + 4 * lane) = rows;
-      }
-    }
-    __syncthreads();                                                                                   // #5
-
-    st_product(sm.vec);                                  // S^T qv
-    __syncthreads();                                                                                   // #6
-    {
-      const int k = tid >> 1, jp = (tid & 1) * 2;
-      float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float2 o = *reinterpret_cast<const float2*>(sm.red + r * 512 + k * 4 + jp);
-        s0 += o.x; s1 += o.y;
-      }
-      const __half h0 = __float2half_rn(s0), h1 = __float2half_rn(s1);
-      __half* u_new = static_cast<__half*>(p.u_new) + static_cast<size_t>(prog) * R * K;
-      u_new[jp * K + k] = h0;
-      u_new[(jp + 1) * K + k] = h1;
-      sm.un16[k][tid & 1] = half_pair(__hneg(h0), __hneg(h1));
-    }
-    __syncthreads();                                                                                   // #7
-
-    // ---- 3. residual, scales, codes --------------------------------------------------------------------------------
-    {
-      uint32_t qa[2][2];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const int v0 = 32 * wr + 16 * mt + g;
-        qa[mt][0] = t < 2 ? sm.qn16[v0][t & 1] : 0u;
-        qa[mt][1] = t < 2 ? sm.qn16[v0 + 8][t & 1] : 0u;
-      }
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int k = 64 * wc + 16 * (g >> 1) + 2 * nt + (g & 1);
-        const uint32_t b = t < 2 ? sm.un16[k][t & 1] : 0u;
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) mma_f16_k8(acc[mt][nt], qa[mt][0], qa[mt][1], b);
-      }
-    }
-    // s_k: column sums of |E|
-    {
-      float cp[16];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          cp[2 * nt + e] = (fabsf(acc[0][nt][e]) + fabsf(acc[0][nt][2 + e])) +
-                           (fabsf(acc[1][nt][e]) + fabsf(acc[1][nt][2 + e]));
-      rs_level<16>(cp, (g >> 2) & 1, 16);
-      rs_level<8>(cp, (g >> 1) & 1, 8);
-      rs_level<4>(cp, g & 1, 4);                         // lane keeps nt = g, e = 0, 1
-      *reinterpret_cast<float2*>(sm.red + wr * 128 + colbase + 2 * g) = make_float2(cp[0], cp[1]);
-    }
-    __syncthreads();                                                                                   // #8
-    if (tid < K) {
-      const float s = (sm.red[tid] + sm.red[128 + tid]) + (sm.red[256 + tid] + sm.red[384 + tid]);
-      const float sk = fmaxf(sqrtf(s / 128.0f), 1e-12f);
-      p.s_k_new[static_cast<size_t>(prog) * K + tid] = sk;
-      sm.isk[tid] = 1.0f / sk;
-    }
-    __syncthreads();                                                                                   // #9
-    float isk[16];
-    {
-      // the lane's column base read afresh (a volatile read of %tid.x), so that the compiler does not keep the
-      // address from stage 1 alive across the whole kernel (it spilled it)
-      const int tx = fresh_tid();
-      const float4* isk4 = reinterpret_cast<const float4*>(sm.isk + 64 * ((tx >> 5) & 1) + 16 * (tx & 3));
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float4 c4 = isk4[i];
-        isk[4 * i] = c4.x; isk[4 * i + 1] = c4.y; isk[4 * i + 2] = c4.z; isk[4 * i + 3] = c4.w;
-      }
-    }
-    // s_v: row max of |E| / s_k
-    {
-      float rm[4];
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) {
-        float m = 0.0f;
-#pragma unroll
-        for (int b = 0; b < 16; ++b) m = fmaxf(m, fabsf(acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)]) * isk[b]);
-        m = fmaxf(m, __shfl_xor_sync(FULL, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(FULL, m, 2));
-        rm[ri] = m;
-      }
-      if (t == 0) {
-#pragma unroll
-        for (int ri = 0; ri < 4; ++ri) sm.red[512 + wc * 128 + row_of(ri)] = rm[ri];
-      }
-    }
-    __syncthreads();                                                                                   // #10
-    {
-      int8_t* codes_new = p.codes_new + static_cast<size_t>(prog) * V * K;
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) {
-        const int v = row_of(ri);
-        const float sv = fmaxf(fmaxf(sm.red[512 + v], sm.red[640 + v]), 1e-12f);
-        if (wc == 0 && t == 0) p.s_v_new[static_cast<size_t>(prog) * V + v] = sv;
-        const float step = 127.0f / sv;
-        uint32_t y[16];
-#pragma unroll
-        for (int b = 0; b < 16; ++b) {
-          const float x = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)] * isk[b];
-          y[b] = __float_as_uint(__fmaf_rn(x, step, 12582912.0f));   // round half to even; low byte = the code
-        }
-        uint4 o;
-        o.x = pack_low_bytes(y[0], y[1], y[2], y[3]);
-        o.y = pack_low_bytes(y[4], y[5], y[6], y[7]);
-        o.z = pack_low_bytes(y[8], y[9], y[10], y[11]);
-        o.w = pack_low_bytes(y[12], y[13], y[14], y[15]);
-        *reinterpret_cast<uint4*>(codes_new + v * K + colbase) = o;
-      }
-    }
+    __syncthreads();                                   // sm.due is rewritten by the next round
+  }
   }
 }
 
@@ -654,13 +742,14 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
 
 cudaError_t leapquant_flush_launch(const FlushParams& p, cudaStream_t stream) {
   if (p.n_programs <= 0) return cudaSuccess;
+  const bool pool = p.idx != nullptr;
+  auto kernel = pool ? leapquant_flush_kernel<true> : leapquant_flush_kernel<false>;
   int device = 0, sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess)
-    err = cudaFuncSetAttribute(leapquant_flush_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(Smem));
+  if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(Smem));
   if (err != cudaSuccess) return err;
   const int ctas = p.n_programs < 2 * sms ? p.n_programs : 2 * sms;   // 2 resident per SM
-  leapquant_flush_kernel<<<ctas, NTHREADS, sizeof(Smem), stream>>>(p);
+  kernel<<<ctas, NTHREADS, sizeof(Smem), stream>>>(p);
   return cudaGetLastError();
 }

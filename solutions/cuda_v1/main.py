@@ -19,7 +19,8 @@ _HEADERS = ("flush.cuh",)
 _ext = None
 
 
-def _build():
+def extension():
+    """The compiled extension, built on first use."""
     global _ext
     if _ext is not None:
         return _ext
@@ -51,7 +52,7 @@ def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0):
     if not codes.is_cuda:
         raise RuntimeError("cuda_v1 runs on CUDA tensors only (an H200, sm_90a); got tensors on "
                            f"{codes.device}")
-    ext = _build()
+    ext = extension()
     args = []
     for x in (codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0):
         x = x.contiguous()

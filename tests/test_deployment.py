@@ -1,25 +1,27 @@
-"""triton_v1's deployment form (solutions/triton_v1/pool.py): the pool layout, the in-place flush against `run`, what
-must stay untouched, the window reset and idx's contract, on the GPU when there is one, else on the CPU through the
-Triton interpreter (small: 48 programs flushed). GPU only (skipped without one): more families, CUDA-graph capture
-and replay."""
+"""The deployment form (OPERATOR.md, "Deployment form"): the operator's `Pool` layout, and each solution's
+`pool.py::flush_inplace` against its own `run` (bit for bit), what must stay untouched, the window reset and idx's
+contract. triton_v1 runs on the GPU when there is one, else on the CPU through the Triton interpreter (small: 48
+programs flushed); cuda_v1 needs the GPU. GPU only: more families, CUDA-graph capture and replay."""
 import pytest
 import torch
 
 from conftest import axes_for
 from harness.ops import leapquant_kda_flush as op
+from harness.ops.leapquant_kda_flush import Pool, check_idx
 from harness.solutions import load_entry, load_module, load_solution
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CHECKPOINT = ("codes", "s_k", "s_v", "u", "q")
 WINDOW = ("kbuf", "ubuf", "gbuf", "w", "pcum")
+SOLUTIONS = [pytest.param("triton_v1"), pytest.param("cuda_v1", marks=gpu)]
 
 
-@pytest.fixture(scope="module")
-def solution(defn):
-    """pool.py and the entry point `run`, loaded as users load them."""
-    sol = load_solution("triton_v1", defn)
-    return load_module(sol, "pool.py"), load_entry(sol, defn)
+@pytest.fixture(scope="module", params=SOLUTIONS)
+def solution(request, defn):
+    """pool.py's flush_inplace and the entry point `run`, loaded as users load them."""
+    sol = load_solution(request.param, defn)
+    return load_module(sol, "pool.py").flush_inplace, load_entry(sol, defn)
 
 
 def _idx(*slots):
@@ -40,8 +42,8 @@ def _snapshot(pool):
 def flushed(defn, solution):
     """A 4-slot pool: every byte random first, then edge inputs of 2 sequences in slots 3 and 1, slot 2 full but not
     in idx, slot 0 (reserved) full, slot 1's odd heads one token short; flushed once with idx [3, 0, 1]."""
-    pool_mod, run = solution
-    pool = pool_mod.Pool(4, DEVICE)
+    flush_inplace, run = solution
+    pool = Pool(4, DEVICE)
     gen = torch.Generator().manual_seed(7)
     pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=gen))
     axes = axes_for(defn, 2)
@@ -51,21 +53,19 @@ def flushed(defn, solution):
     pool.count[[0, 2]] = 16
     pool.count[1, 1::2] = 15
     before = _snapshot(pool)
-    pool_mod.flush_inplace(pool, _idx(3, 0, 1), x["q0"])
+    flush_inplace(pool, _idx(3, 0, 1), x["q0"])
     seq0 = run({k: v[:1] if k != "q0" else v for k, v in x.items()}, axes_for(defn, 1))
     seq1_even = run({k: v[1:2, 0::2] if k != "q0" else v for k, v in x.items()}, axes_for(defn, 1))
     due = torch.zeros(4, 32, dtype=torch.bool, device=DEVICE)
     due[3] = True
     due[1, 0::2] = True
-    yield {"pool_mod": pool_mod, "pool": pool, "before": before, "due": due, "seq0": seq0, "seq1_even": seq1_even}
+    yield {"flush_inplace": flush_inplace, "pool": pool, "before": before, "due": due, "seq0": seq0, "seq1_even": seq1_even}
 
 
-def test_layout_matches_the_published_engine_layout(solution):
-    pool_mod, _ = solution
-    assert (pool_mod.HEADER, pool_mod.REGION, pool_mod.REGIONS_PER_SLOT) == (49_152, 65_536, 33)
-    assert (pool_mod.S_K_AT, pool_mod.S_V_AT, pool_mod.TOKENS_AT, pool_mod.CHECKPOINT_BYTES) == \
-        (16_384, 16_896, 17_408, 19_456)
-    pool = pool_mod.Pool(3, "cpu")
+def test_layout_matches_the_published_engine_layout():
+    assert (op.POOL_HEADER, op.POOL_REGION, op.POOL_REGIONS_PER_SLOT, op.CHECKPOINT_BYTES) == (49_152, 65_536, 33,
+                                                                                               19_456)
+    pool = Pool(3, "cpu")
     assert pool.buffer.numel() == 49_152 + 3 * 33 * 65_536
     base = pool.buffer.data_ptr()
     for slot, head in ((0, 0), (1, 5), (2, 31)):
@@ -120,36 +120,36 @@ def test_window_reset_of_due_programs_only(flushed):
 
 
 def test_idx_contract_checked_in_one_line(flushed):
-    pool_mod, pool = flushed["pool_mod"], flushed["pool"]
+    flush_inplace, pool = flushed["flush_inplace"], flushed["pool"]
     q0 = torch.zeros(128, 4, device=DEVICE)
-    check, flush, idx = pool_mod.check_idx, lambda p, i: pool_mod.flush_inplace(p, i, q0), _idx
+    flush, idx = lambda p, i: flush_inplace(p, i, q0), _idx
     bad = [
-        (check, idx(1, 4), "slot 4, outside [0, 4)"),
-        (check, idx(-1), "slot -1, outside [0, 4)"),
-        (check, idx(2, 0, 2), "slot 2 more than once"),
-        (check, idx(1, 2).long(), "int32 tensor of slots, got torch.int64"),
+        (check_idx, idx(1, 4), "slot 4, outside [0, 4)"),
+        (check_idx, idx(-1), "slot -1, outside [0, 4)"),
+        (check_idx, idx(2, 0, 2), "slot 2 more than once"),
+        (check_idx, idx(1, 2).long(), "int32 tensor of slots, got torch.int64"),
         (flush, idx(1, 2)[None], "1-D int32 tensor of slots, got torch.int32 [1, 2]"),
         (flush, idx(1, 0, 2)[::2], "contiguous"),
         (flush, [1, 2], "got list"),
-        (lambda p, i: pool_mod.flush_inplace(p, i, q0.double()), idx(1), "q0 must be a contiguous float32 [128, 4]"),
+        (lambda p, i: flush_inplace(p, i, q0.double()), idx(1), "q0 must be a contiguous float32 [128, 4]"),
     ]
     for fn, value, message in bad:
         with pytest.raises(ValueError) as err:
             fn(pool, value)
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
-    pool_mod.check_idx(pool, idx(0, 3, 0, 1, 2))                                   # 0 repeats: no sequence
+    check_idx(pool, idx(0, 3, 0, 1, 2))                                            # 0 repeats: no sequence
 
 
 def test_slots_out_of_range_or_not_full_write_nothing(flushed):
     """A broken contract (slots out of range) and a call where nothing is due leave every byte as it was."""
-    pool_mod, pool = flushed["pool_mod"], flushed["pool"]
+    flush_inplace, pool = flushed["flush_inplace"], flushed["pool"]
     q0 = torch.zeros(128, 4, device=DEVICE)
     saved_count = pool.count.clone()
     try:
         for count, slots in ((16, [4, -3, 2**31 - 1]), (15, [1, 2, 3])):
             pool.count.fill_(count)
             before = _snapshot(pool)
-            pool_mod.flush_inplace(pool, _idx(*slots), q0)
+            flush_inplace(pool, _idx(*slots), q0)
             after = _snapshot(pool)
             for name in before:
                 assert torch.equal(after[name], before[name]), (slots, name)
@@ -165,12 +165,12 @@ def _run_per_slot(run, x, axes):
 @gpu
 @pytest.mark.parametrize("family", ["random", "trajectory"])
 def test_gpu_in_place_equals_run_bit_for_bit(defn, solution, family):
-    pool_mod, run = solution
+    flush_inplace, run = solution
     axes = axes_for(defn, 2)
     x = op.make_inputs(family, axes, 5, "cuda")
-    pool = pool_mod.Pool(3, "cuda")
+    pool = Pool(3, "cuda")
     _fill(pool, x, [2, 1])
-    pool_mod.flush_inplace(pool, torch.tensor([2, 1], dtype=torch.int32, device="cuda"), x["q0"])
+    flush_inplace(pool, torch.tensor([2, 1], dtype=torch.int32, device="cuda"), x["q0"])
     expected = _run_per_slot(run, x, axes)
     for name in CHECKPOINT:
         assert torch.equal(getattr(pool, name)[[2, 1]], expected[name]), name
@@ -180,20 +180,20 @@ def test_gpu_in_place_equals_run_bit_for_bit(defn, solution, family):
 @gpu
 def test_gpu_graph_capture_and_replay_with_new_contents(defn, solution):
     from harness import timing
-    pool_mod, run = solution
+    flush_inplace, run = solution
     axes = axes_for(defn, 2)
     first, second = (op.make_inputs(f, axes, 9, "cuda") for f in ("random", "trajectory"))
-    pool = pool_mod.Pool(4, "cuda")
+    pool = Pool(4, "cuda")
     idx = torch.tensor([3, 1], dtype=torch.int32, device="cuda")
     q0 = first["q0"].clone()
     _fill(pool, first, [3, 1])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        pool_mod.flush_inplace(pool, idx, q0)              # warm-up: compiles
+        flush_inplace(pool, idx, q0)              # warm-up: compiles
     torch.cuda.synchronize()
     _fill(pool, first, [3, 1])
-    graph, _ = timing.capture(lambda: pool_mod.flush_inplace(pool, idx, q0), stream)
+    graph, _ = timing.capture(lambda: flush_inplace(pool, idx, q0), stream)
     torch.cuda.synchronize()
     assert (pool.count[[3, 1]] == 16).all() and (pool.w[[3, 1]] != 0).any()   # capture ran nothing
     for x, slots in ((first, [3, 1]), (second, [2, 3])):
