@@ -435,9 +435,9 @@ class Pool:
             raise ValueError(f"num_slots must be an int >= 2 (slot 0 is reserved), got {num_slots!r}")
         H, V, K, R, L = self.HEADS, self.V, self.K, self.R, self.L
         self.num_slots = num_slots
-        self.device = torch.device(device)
         self.buffer = torch.zeros(POOL_HEADER + num_slots * POOL_REGIONS_PER_SLOT * POOL_REGION, dtype=torch.uint8,
-                                  device=self.device)
+                                  device=device)
+        self.device = self.buffer.device        # with its index ("cuda:0"), as every tensor's device is
         self.regions = self.buffer[POOL_HEADER:].view(num_slots, POOL_REGIONS_PER_SLOT, POOL_REGION)
         self.codes = self._field(torch.int8, "codes", (V, K), K)
         self.s_k = self._field(torch.float32, "s_k", (K,), K)
