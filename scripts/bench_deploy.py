@@ -10,9 +10,10 @@ harness.timing (graph replays between CUDA events, L2 flushed before each, media
 every program due at each batch size; the steady state at the largest, one sequence in 16 due (a different 16th
 each call, as when every sequence flushes every 16 tokens); none due at the largest, against a 5 us target. Before
 every call, outside the timed region, the pool is refilled with the inputs under a fresh assignment of sequences to
-slots (idx), so nothing can be reused. The floor counts every byte the flushed programs read and write once, window reset included, at the measured copy rate. After
-the last call of each case the due checkpoints must equal `run`'s on the same inputs bit for bit, with their
-windows reset, and every other checkpoint and window must be as refilled ("checked" in the output)."""
+slots (idx), so nothing can be reused. The floor counts every byte the flushed programs read and write once, window
+reset included, at the measured copy rate. After the last call of each case the due checkpoints must equal `run`'s
+on the same inputs bit for bit, with their windows reset, and every other checkpoint and window must be as refilled
+("checked" in the output)."""
 from __future__ import annotations
 
 import argparse

@@ -447,14 +447,14 @@ class Pool:
         self.s_k.fill_(EMPTY_SCALE)
         self.s_v.fill_(EMPTY_SCALE)
 
-        def dense(*shape, name, fill=0.0):
-            return torch.full((num_slots, H, *shape), fill, dtype=DTYPES.get(name, torch.int32), device=self.device)
-        self.kbuf = dense(L, K, name="kbuf")
-        self.ubuf = dense(L, V, name="ubuf")
-        self.gbuf = dense(L, K, name="gbuf", fill=WINDOW_RESET["gbuf"])
-        self.w = dense(L, name="w", fill=WINDOW_RESET["w"])
-        self.pcum = dense(K, name="pcum", fill=WINDOW_RESET["pcum"])
-        self.count = dense(name="count")
+        def dense(*shape, dtype, fill=0.0):
+            return torch.full((num_slots, H, *shape), fill, dtype=dtype, device=self.device)
+        self.kbuf = dense(L, K, dtype=DTYPES["kbuf"])
+        self.ubuf = dense(L, V, dtype=DTYPES["ubuf"])
+        self.gbuf = dense(L, K, dtype=DTYPES["gbuf"], fill=WINDOW_RESET["gbuf"])
+        self.w = dense(L, dtype=DTYPES["w"], fill=WINDOW_RESET["w"])
+        self.pcum = dense(K, dtype=DTYPES["pcum"], fill=WINDOW_RESET["pcum"])
+        self.count = dense(dtype=torch.int32)
 
     def write(self, slots, **tensors) -> None:
         """Put per-sequence tensors [N, heads, ...] (any of the checkpoint and window fields and count) into the
@@ -467,16 +467,20 @@ class Pool:
     def check_call(self, idx, q0) -> None:
         """What `flush_inplace(self, idx, q0)` may check without the values (no host synchronisation): raises
         ValueError in one line. idx's values are the caller's contract, checked by `check_idx`."""
-        if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int32 or idx.dim() != 1 or not idx.is_contiguous():
-            got = f"{idx.dtype} {list(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
-            raise ValueError(f"idx must be a contiguous 1-D int32 tensor of slots, got {got}")
-        if idx.device != self.device:
-            raise ValueError(f"idx is on {idx.device}, the pool on {self.device}")
+        self.check_idx_tensor(idx)
         shape = (self.V, self.R)
         if not isinstance(q0, torch.Tensor) or q0.dtype != torch.float32 or tuple(q0.shape) != shape \
                 or not q0.is_contiguous() or q0.device != self.device:
             got = f"{q0.dtype} {list(q0.shape)} on {q0.device}" if isinstance(q0, torch.Tensor) else type(q0).__name__
             raise ValueError(f"q0 must be a contiguous float32 {list(shape)} tensor on {self.device}, got {got}")
+
+    def check_idx_tensor(self, idx) -> None:
+        """idx is a contiguous 1-D int32 tensor on the pool's device, or ValueError in one line."""
+        if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int32 or idx.dim() != 1 or not idx.is_contiguous():
+            got = f"{idx.dtype} {list(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be a contiguous 1-D int32 tensor of slots, got {got}")
+        if idx.device != self.device:
+            raise ValueError(f"idx is on {idx.device}, the pool on {self.device}")
 
     def _field(self, dtype, name: str, shape: tuple, row: int) -> torch.Tensor:
         """[num_slots, heads, *shape] view of a checkpoint field in every region; the last dim contiguous, the one
@@ -492,7 +496,7 @@ class Pool:
 def check_idx(pool: Pool, idx) -> None:
     """The caller's contract on idx, checked on the host (a synchronisation): every value in [0, num_slots) and no
     slot twice (0 may repeat). Raises ValueError in one line."""
-    pool.check_call(idx, torch.zeros(pool.V, pool.R, device=pool.device))
+    pool.check_idx_tensor(idx)
     values = idx.cpu()
     bad = values[(values < 0) | (values >= pool.num_slots)]
     if bad.numel():

@@ -16,6 +16,24 @@ void check(const at::Tensor& x, const char* name, at::ScalarType dtype, int64_t 
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "cuda_v1: ", name, " must be 16-byte aligned");
 }
 
+// The window (dense over `records`), pcum and q0: checked, then into p.
+void set_window(FlushParams& p, const at::Tensor& kbuf, const at::Tensor& ubuf, const at::Tensor& gbuf,
+                const at::Tensor& w, const at::Tensor& pcum, const at::Tensor& q0, int64_t records,
+                const at::Device& dev) {
+  check(kbuf, "kbuf", at::kBFloat16, records * 16 * 128, dev);
+  check(ubuf, "ubuf", at::kBFloat16, records * 16 * 128, dev);
+  check(gbuf, "gbuf", at::kHalf, records * 16 * 128, dev);
+  check(w, "w", at::kFloat, records * 16, dev);
+  check(pcum, "pcum", at::kFloat, records * 128, dev);
+  check(q0, "q0", at::kFloat, 128 * 4, dev);
+  p.kbuf = kbuf.data_ptr();
+  p.ubuf = ubuf.data_ptr();
+  p.gbuf = gbuf.data_ptr();
+  p.w = w.data_ptr<float>();
+  p.pcum = pcum.data_ptr<float>();
+  p.q0 = q0.data_ptr<float>();
+}
+
 void launch(const FlushParams& p) {
   const cudaError_t err = leapquant_flush_launch(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "cuda_v1: kernel launch failed: ", cudaGetErrorString(err));
@@ -35,12 +53,8 @@ std::vector<at::Tensor> flush(const at::Tensor& codes, const at::Tensor& s_k, co
   check(s_v, "s_v", at::kFloat, P * 128, dev);
   check(u, "u", at::kHalf, P * 4 * 128, dev);
   check(q, "q", at::kHalf, P * 4 * 128, dev);
-  check(kbuf, "kbuf", at::kBFloat16, P * 16 * 128, dev);
-  check(ubuf, "ubuf", at::kBFloat16, P * 16 * 128, dev);
-  check(gbuf, "gbuf", at::kHalf, P * 16 * 128, dev);
-  check(w, "w", at::kFloat, P * 16, dev);
-  check(pcum, "pcum", at::kFloat, P * 128, dev);
-  check(q0, "q0", at::kFloat, 128 * 4, dev);
+  FlushParams p{};
+  set_window(p, kbuf, ubuf, gbuf, w, pcum, q0, P, dev);
 
   const c10::cuda::CUDAGuard guard(dev);
   auto codes_new = at::empty_like(codes);
@@ -51,18 +65,11 @@ std::vector<at::Tensor> flush(const at::Tensor& codes, const at::Tensor& s_k, co
   TORCH_CHECK(P <= INT32_MAX, "cuda_v1: batch too large");
   if (P == 0) return {codes_new, s_k_new, s_v_new, u_new, q_new};
 
-  FlushParams p{};
   p.codes = codes.data_ptr<int8_t>();
   p.s_k = s_k.data_ptr<float>();
   p.s_v = s_v.data_ptr<float>();
   p.u = u.data_ptr();
   p.q = q.data_ptr();
-  p.kbuf = kbuf.data_ptr();
-  p.ubuf = ubuf.data_ptr();
-  p.gbuf = gbuf.data_ptr();
-  p.w = w.data_ptr<float>();
-  p.pcum = pcum.data_ptr<float>();
-  p.q0 = q0.data_ptr<float>();
   p.codes_new = codes_new.data_ptr<int8_t>();
   p.s_k_new = s_k_new.data_ptr<float>();
   p.s_v_new = s_v_new.data_ptr<float>();
@@ -82,41 +89,27 @@ void flush_inplace(const at::Tensor& buffer, const at::Tensor& kbuf, const at::T
                    const at::Tensor& w, const at::Tensor& pcum, const at::Tensor& count, const at::Tensor& idx,
                    const at::Tensor& q0) {
   constexpr int64_t HEADER = 49152, REGION = 65536, REGIONS_PER_SLOT = 33;
+  constexpr int64_t CODES_AT = 0, S_K_AT = 16384, S_V_AT = 16896, TOKENS_AT = 17408;
   const auto dev = buffer.device();
   const int64_t slots = count.dim() == 2 ? count.size(0) : 0;
   TORCH_CHECK(slots >= 2 && count.size(1) == 32, "cuda_v1: count must be [slots >= 2, 32]");
   TORCH_CHECK(idx.dim() == 1, "cuda_v1: idx must be 1-D");
   check(buffer, "pool buffer", at::kByte, HEADER + slots * REGIONS_PER_SLOT * REGION, dev);
-  check(kbuf, "kbuf", at::kBFloat16, slots * 32 * 16 * 128, dev);
-  check(ubuf, "ubuf", at::kBFloat16, slots * 32 * 16 * 128, dev);
-  check(gbuf, "gbuf", at::kHalf, slots * 32 * 16 * 128, dev);
-  check(w, "w", at::kFloat, slots * 32 * 16, dev);
-  check(pcum, "pcum", at::kFloat, slots * 32 * 128, dev);
   check(count, "count", at::kInt, slots * 32, dev);
   check(idx, "idx", at::kInt, idx.numel(), dev);
-  check(q0, "q0", at::kFloat, 128 * 4, dev);
+  FlushParams p{};
+  set_window(p, kbuf, ubuf, gbuf, w, pcum, q0, slots * 32, dev);
   TORCH_CHECK(idx.numel() * 32 <= INT32_MAX && slots * REGIONS_PER_SLOT <= INT32_MAX, "cuda_v1: pool too large");
   if (idx.numel() == 0) return;
 
   const c10::cuda::CUDAGuard guard(dev);
+  // in place: each checkpoint field is read and written at the same bytes of the region
   uint8_t* base = buffer.data_ptr<uint8_t>() + HEADER;
-  FlushParams p{};
-  p.codes = reinterpret_cast<const int8_t*>(base);
-  p.s_k = reinterpret_cast<const float*>(base + 16384);
-  p.s_v = reinterpret_cast<const float*>(base + 16896);
-  p.u = base + 17408;
-  p.q = base + 17408 + 2 * 128;
-  p.codes_new = reinterpret_cast<int8_t*>(base);
-  p.s_k_new = reinterpret_cast<float*>(base + 16384);
-  p.s_v_new = reinterpret_cast<float*>(base + 16896);
-  p.u_new = base + 17408;
-  p.q_new = base + 17408 + 2 * 128;
-  p.kbuf = kbuf.data_ptr();
-  p.ubuf = ubuf.data_ptr();
-  p.gbuf = gbuf.data_ptr();
-  p.w = w.data_ptr<float>();
-  p.pcum = pcum.data_ptr<float>();
-  p.q0 = q0.data_ptr<float>();
+  p.codes = p.codes_new = reinterpret_cast<int8_t*>(base + CODES_AT);
+  p.s_k = p.s_k_new = reinterpret_cast<float*>(base + S_K_AT);
+  p.s_v = p.s_v_new = reinterpret_cast<float*>(base + S_V_AT);
+  p.u = p.u_new = base + TOKENS_AT;
+  p.q = p.q_new = base + TOKENS_AT + 2 * 128;          // each fp16 row is u (128) | q (128)
   p.n_programs = static_cast<int>(idx.numel() * 32);
   p.idx = idx.data_ptr<int32_t>();
   p.count = count.data_ptr<int32_t>();

@@ -132,10 +132,13 @@ __device__ __forceinline__ void prefetch_program(const FlushParams& p, Stage& st
     cp_async16((tid < 64 ? &st.u[0][0] : &st.q[0][0]) + i, src + c);
   } else {                                      // 32 chunks each of s_k, s_v, pcum, then the 4 of w
     const int i = (tid - 128) & 31;
-    if (tid < 160) cp_async16(reinterpret_cast<uint4*>(st.s_k) + i, at_bytes<uint4>(p.s_k, ck_offset<POOL>(rec.ck, 4 * K)) + i);
-    else if (tid < 192) cp_async16(reinterpret_cast<uint4*>(st.s_v) + i, at_bytes<uint4>(p.s_v, ck_offset<POOL>(rec.ck, 4 * V)) + i);
-    else if (tid < 224) cp_async16(reinterpret_cast<uint4*>(st.pcum) + i, reinterpret_cast<const uint4*>(p.pcum + win * K) + i);
-    else if (tid < 228) cp_async16(reinterpret_cast<uint4*>(st.w) + i, reinterpret_cast<const uint4*>(p.w + win * L) + i);
+    auto chunk = [&](float* dst, const void* src) {
+      cp_async16(reinterpret_cast<uint4*>(dst) + i, static_cast<const uint4*>(src) + i);
+    };
+    if (tid < 160) chunk(st.s_k, at_bytes<float>(p.s_k, ck_offset<POOL>(rec.ck, 4 * K)));
+    else if (tid < 192) chunk(st.s_v, at_bytes<float>(p.s_v, ck_offset<POOL>(rec.ck, 4 * V)));
+    else if (tid < 224) chunk(st.pcum, p.pcum + win * K);
+    else if (tid < 228) chunk(st.w, p.w + win * L);
   }
   cp_async_commit();
 }
@@ -277,6 +280,24 @@ __device__ __forceinline__ void cgs2(float (&a)[4][4]) {
   cgs2_column<1>(a, r1b, r1a);
   cgs2_column<2>(a, r1a, r1b);
   cgs2_column<3>(a, r1b, r1a);
+}
+
+// Warp 0's input to an orthonormalisation: rows 4 lane + i of the [128, 4] matrix, summed in order over the N
+// per-warp partials that red holds as N consecutive [128] float4 blocks.
+template <int N>
+__device__ __forceinline__ void sum_partials(const float* red, int lane, float (&a)[4][4]) {
+  const float4* part = reinterpret_cast<const float4*>(red);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = 4 * lane + i;
+    float4 s = part[row];
+#pragma unroll
+    for (int r = 1; r < N; ++r) {
+      const float4 o = part[r * 128 + row];
+      s.x += o.x; s.y += o.y; s.z += o.z; s.w += o.w;
+    }
+    a[i][0] = s.x; a[i][1] = s.y; a[i][2] = s.z; a[i][3] = s.w;
+  }
 }
 
 // byte `sel` (0..3) of x (int8, pre-xored with 0x80) as an exact fp32: 2^23 + (b ^ 0x80) - (2^23 + 128)
@@ -494,17 +515,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   __syncthreads();                                                                                   // #2
   if (warp == 0) {
     float a[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int k = 4 * lane + i;
-      float4 s = reinterpret_cast<const float4*>(sm.red)[k];
-#pragma unroll
-      for (int r = 1; r < 4; ++r) {
-        const float4 o = reinterpret_cast<const float4*>(sm.red)[r * 128 + k];
-        s.x += o.x; s.y += o.y; s.z += o.z; s.w += o.w;
-      }
-      a[i][0] = s.x; a[i][1] = s.y; a[i][2] = s.z; a[i][3] = s.w;
-    }
+    sum_partials<4>(sm.red, lane, a);                  // the 4 row-warps' column partials of S^T q0
     cgs2(a);
 #pragma unroll
     for (int i = 0; i < 4; ++i) sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
@@ -539,13 +550,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   __syncthreads();                                                                                   // #4
   if (warp == 0) {
     float a[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int v = 4 * lane + i;
-      const float4 s0 = reinterpret_cast<const float4*>(sm.red)[v];
-      const float4 s1 = reinterpret_cast<const float4*>(sm.red)[128 + v];
-      a[i][0] = s0.x + s1.x; a[i][1] = s0.y + s1.y; a[i][2] = s0.z + s1.z; a[i][3] = s0.w + s1.w;
-    }
+    sum_partials<2>(sm.red, lane, a);                  // the 2 column-warps' row partials of S qk
     cgs2(a);
     __half* q_new = reinterpret_cast<__half*>(static_cast<char*>(p.q_new) + ck_offset<POOL>(rec.ck, 2 * R * V));
     uint32_t hq[4][2];                               // [i][pair]
