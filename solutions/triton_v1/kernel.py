@@ -30,8 +30,7 @@ Config (fixed): 4 warps, num_stages 1, VC = PC = 32, L2 prefetch of the codes an
 
 POOL (constexpr): the deployment form (pool.py, NOTES.md "Deployment form"): the checkpoint is read and written in
 place in a flat pool, only the programs whose window is full run, and they reset their window; the scratch is then a
-pool-owned tensor, since the codes region is the one being read. The grid is what the GPU holds at once; each
-program checks its CB candidates (sequence, head) together and flushes the due ones one after the other. With POOL False (`run`) every pool argument is a
+pool-owned tensor, since the codes region is the one being read. With POOL False (`run`) every pool argument is a
 compile-time None and the kernel compiles to the same code as without them.
 
 TC (constexpr): True on the GPU (bf16 tensor-core dots); False under the interpreter, where the same bf16-valued
@@ -50,7 +49,6 @@ MAXNREG = 128    # register cap (ptxas): 4 programs per SM instead of 2, at the 
 VC = 32          # rows per residual chunk
 PC = 32          # rows (columns) of V (K) per chunk of the subspace products
 PF = 1           # prefetch the codes and ubuf at the start: 0 no, 1 to L2, 2 to L1
-PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -223,15 +221,66 @@ def _residual_chunk(v0, codes_h, sv_h, ascr, bh, bm, bl, cs, rk,
     return acc + (cd * svc[:, None]) * cs[None, :]
 
 
-@triton.jit(noinline=True)
-def _flush_program(codes_h, sk_h, sv_h, u_h, q_h, kbuf_h, ubuf_h, gbuf_h, w_h, pcum_h, q0_ptr,
-                   codes_o, sk_o, sv_o, u_o, q_o, scratch,
-                   V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, R: tl.constexpr, VC: tl.constexpr,
-                   PC: tl.constexpr, TC: tl.constexpr, PF: tl.constexpr, US: tl.constexpr, QS: tl.constexpr,
-                   RESET: tl.constexpr):
-    """One program's flush: the checkpoint at codes_h ... q_h (u, q rows US, QS apart) and its window to the new
-    checkpoint at codes_o ... q_o (may be the same bytes: every field is read before it is overwritten, see NOTES.md);
-    scratch: 16 KB that is not the checkpoint being read; RESET: reset the window at the end."""
+@triton.jit
+def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, gbuf_ptr, w_ptr, pcum_ptr, q0_ptr,
+                  codes_out, sk_out, sv_out, u_out, q_out,
+                  V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, R: tl.constexpr, VC: tl.constexpr,
+                  PC: tl.constexpr, TC: tl.constexpr, PF: tl.constexpr,
+                  idx_ptr=None, count_ptr=None, scratch_ptr=None, num_slots=None,
+                  POOL: tl.constexpr = False, H: tl.constexpr = 1, REGION: tl.constexpr = 0):
+    tl.static_assert(L == 16)
+    tl.static_assert(R == 4)
+    pid = tl.program_id(0).to(tl.int64)
+    if POOL:
+        # deployment form (pool.py): program pid = (sequence, head); the checkpoint is read and written in place in
+        # the region of (idx[sequence], head) of one flat buffer (codes_ptr ... q_ptr point at the fields of region
+        # 0; H + 1 regions a slot, the last one spare; the u | q rows K + V apart); the window, pcum and fill
+        # counter are dense [slots, H, ...]; a program whose slot is 0 (no sequence), out of range or not full
+        # returns at once
+        seq = pid // H
+        head = pid % H
+        slot = tl.load(idx_ptr + seq).to(tl.int64)
+        valid = (slot > 0) & (slot < num_slots)
+        count = tl.load(count_ptr + slot * H + head, mask=valid, other=0)
+        if count != L:
+            return
+        prog = slot * H + head
+        region = slot * (H + 1) + head
+        US: tl.constexpr = K + V
+        QS: tl.constexpr = K + V
+        codes_h = codes_ptr + region * REGION
+        sk_h = sk_ptr + region * (REGION // 4)
+        sv_h = sv_ptr + region * (REGION // 4)
+        u_h = u_ptr + region * (REGION // 2)
+        q_h = q_ptr + region * (REGION // 2)
+        codes_o = codes_h
+        sk_o = sk_h
+        sv_o = sv_h
+        u_o = u_h
+        q_o = q_h
+        # the kernel's scratch may not be the codes region it still reads: a separate 16 KB per (slot, head)
+        scratch = scratch_ptr + prog * (V * K)
+    else:
+        prog = pid
+        US: tl.constexpr = K
+        QS: tl.constexpr = V
+        codes_h = codes_ptr + pid * (V * K)
+        sk_h = sk_ptr + pid * K
+        sv_h = sv_ptr + pid * V
+        u_h = u_ptr + pid * (R * K)
+        q_h = q_ptr + pid * (R * V)
+        codes_o = codes_out + pid * (V * K)
+        sk_o = sk_out + pid * K
+        sv_o = sv_out + pid * V
+        u_o = u_out + pid * (R * K)
+        q_o = q_out + pid * (R * V)
+        scratch = codes_o
+    kbuf_h = kbuf_ptr + prog * (L * K)
+    ubuf_h = ubuf_ptr + prog * (L * V)
+    gbuf_h = gbuf_ptr + prog * (L * K)
+    w_h = w_ptr + prog * L
+    pcum_h = pcum_ptr + prog * K
+
     rv = tl.arange(0, V)
     rk = tl.arange(0, K)
     f = tl.arange(0, 32)
@@ -341,75 +390,16 @@ def _flush_program(codes_h, sk_h, sv_h, u_h, q_h, kbuf_h, ubuf_h, gbuf_h, w_h, p
         tl.store(codes_o + rvc[:, None] * K + rk[None, :], ir.to(tl.int8))
         tl.store(sv_o + rvc, svn)
 
-    if RESET:
+    if POOL:
         # window reset (the counter stays L); every thread read the window before the barriers above
         tl.store(w_h + tl.arange(0, L), tl.zeros([L], dtype=tl.float32))
         tl.store(pcum_h + rk, tl.zeros([K], dtype=tl.float32))
         tl.store(gbuf_h + tl.arange(0, L)[:, None] * K + rk[None, :], tl.full([L, K], 1.0, dtype=tl.float16))
 
 
-
-
-@triton.jit
-def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, gbuf_ptr, w_ptr, pcum_ptr, q0_ptr,
-                  codes_out, sk_out, sv_out, u_out, q_out,
-                  V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, R: tl.constexpr, VC: tl.constexpr,
-                  PC: tl.constexpr, TC: tl.constexpr, PF: tl.constexpr,
-                  idx_ptr=None, count_ptr=None, scratch_ptr=None, num_slots=None, n_programs=None,
-                  POOL: tl.constexpr = False, H: tl.constexpr = 1, REGION: tl.constexpr = 0, CB: tl.constexpr = 1):
-    tl.static_assert(L == 16)
-    tl.static_assert(R == 4)
-    pid = tl.program_id(0).to(tl.int64)
-    if POOL:
-        # deployment form (pool.py): candidate c = (sequence c // H, head c % H) for c = pid, pid + grid, ... (at
-        # most CB of them); its checkpoint is read and written in place in the region of (idx[sequence], head) of
-        # one flat buffer (codes_ptr ... q_ptr point at the fields of region 0; H + 1 regions a slot, the last one
-        # spare; the u | q rows K + V apart); the window, pcum and fill counter are dense [slots, H, ...]. A
-        # candidate whose slot is 0 (no sequence), out of range or not full is skipped. All CB candidates are
-        # checked at once first, so that a call with none due costs each program one round of two loads.
-        grid = tl.num_programs(0).to(tl.int64)
-        c = pid + grid * tl.arange(0, CB)
-        slot_c = tl.load(idx_ptr + c // H, mask=c < n_programs, other=0).to(tl.int64)
-        count_c = tl.load(count_ptr + slot_c * H + c % H, mask=(slot_c > 0) & (slot_c < num_slots), other=0)
-        if tl.sum((count_c == L).to(tl.int32), axis=0) > 0:
-            for i in range(CB):
-                cand = pid + grid * i
-                slot = tl.load(idx_ptr + cand // H, mask=cand < n_programs, other=0).to(tl.int64)
-                head = cand % H
-                count = tl.load(count_ptr + slot * H + head, mask=(slot > 0) & (slot < num_slots), other=0)
-                if count == L:
-                    prog = slot * H + head
-                    region = slot * (H + 1) + head
-                    codes_h = codes_ptr + region * REGION
-                    sk_h = sk_ptr + region * (REGION // 4)
-                    sv_h = sv_ptr + region * (REGION // 4)
-                    u_h = u_ptr + region * (REGION // 2)
-                    q_h = q_ptr + region * (REGION // 2)
-                    # the scratch may not be the codes region still being read: a separate 16 KB per (slot, head)
-                    _flush_program(codes_h, sk_h, sv_h, u_h, q_h, kbuf_ptr + prog * (L * K),
-                                   ubuf_ptr + prog * (L * V), gbuf_ptr + prog * (L * K), w_ptr + prog * L,
-                                   pcum_ptr + prog * K, q0_ptr, codes_h, sk_h, sv_h, u_h, q_h,
-                                   scratch_ptr + prog * (V * K), V, K, L, R, VC, PC, TC, PF, K + V, K + V, True)
-    else:
-        codes_o = codes_out + pid * (V * K)
-        _flush_program(codes_ptr + pid * (V * K), sk_ptr + pid * K, sv_ptr + pid * V, u_ptr + pid * (R * K),
-                       q_ptr + pid * (R * V), kbuf_ptr + pid * (L * K), ubuf_ptr + pid * (L * V),
-                       gbuf_ptr + pid * (L * K), w_ptr + pid * L, pcum_ptr + pid * K, q0_ptr,
-                       codes_o, sk_out + pid * K, sv_out + pid * V, u_out + pid * (R * K), q_out + pid * (R * V),
-                       codes_o, V, K, L, R, VC, PC, TC, PF, K, V, False)
-
-
 def on_gpu(device: torch.device) -> bool:
     """The tensor-core form only where the kernel really compiles for the GPU (not under TRITON_INTERPRET)."""
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-
-
-def resident_programs(device: torch.device) -> int:
-    """Programs the GPU holds at once in the fixed config (128 registers x 128 threads: 4 per SM); the pool mode's
-    grid. Under the interpreter a small number, so that the CPU tests take several candidates per program."""
-    if not on_gpu(device):
-        return 8
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch(programs: int, pointers: tuple, V: int, K: int, L: int, R: int, **pool):

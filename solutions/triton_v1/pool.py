@@ -8,10 +8,8 @@ those fields (`codes`, `s_k`, `s_v`, `u`, `q` [slots, 32, ...]), the dense windo
 `pcum` and the int32 fill counter `count` [slots, 32], `num_slots`, `device`, and `check_call(idx, q0)` for the
 argument checks that need no values.
 
-It launches kernel.py's `_flush_kernel` (the one `run` uses, in its pool mode) over as many programs as the GPU
-holds at once, each with every grid-th (sequence, head) as a candidate: it checks all of them with one vector of
-loads, then flushes those whose slot is in [1, num_slots) and full (counter == L); a call with none due is one
-round of two loads per program, not one program per (sequence, head). In place: version 2 of the
+It launches kernel.py's `_flush_kernel` (the one `run` uses, in its pool mode), one program per (sequence, head); a
+program whose slot is not full (counter != L) or outside [1, num_slots) returns at once. In place: version 2 of the
 kernel keeps vectors and A rows in the output's codes region, which here is the codes still being read, so pool
 mode uses a scratch of its own (16 KB per (slot, head)), allocated on the first call for a pool, like the
 compilation. After that a call does no host synchronisation and no allocation, so it can be captured in a CUDA graph
@@ -22,9 +20,7 @@ import weakref
 
 import torch
 
-import triton
-
-from kernel import launch, resident_programs
+from kernel import launch
 
 REGION = 65_536
 _scratch = weakref.WeakKeyDictionary()     # pool -> its kernel scratch
@@ -41,9 +37,6 @@ def flush_inplace(pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     if scratch is None:
         scratch = _scratch[pool] = torch.empty((pool.num_slots * heads, V * K), dtype=torch.int8, device=pool.device)
     checkpoint = (pool.codes, pool.s_k, pool.s_v, pool.u, pool.q)
-    candidates = idx.numel() * heads
-    programs = min(candidates, resident_programs(pool.buffer.device))
-    launch(programs, (*checkpoint, pool.kbuf, pool.ubuf, pool.gbuf, pool.w, pool.pcum, q0, *checkpoint),
+    launch(idx.numel() * heads, (*checkpoint, pool.kbuf, pool.ubuf, pool.gbuf, pool.w, pool.pcum, q0, *checkpoint),
            V, K, L, R, idx_ptr=idx, count_ptr=pool.count, scratch_ptr=scratch, num_slots=pool.num_slots,
-           n_programs=candidates, POOL=True, H=heads, REGION=REGION,
-           CB=triton.next_power_of_2(triton.cdiv(candidates, programs)))
+           POOL=True, H=heads, REGION=REGION)
