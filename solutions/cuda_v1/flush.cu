@@ -696,8 +696,9 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x;
   const int stride = gridDim.x;
-  if (tid < V) sm.q0s[tid] = __ldg(reinterpret_cast<const float4*>(p.q0) + tid);
+  auto load_q0 = [&] { if (tid < V) sm.q0s[tid] = __ldg(reinterpret_cast<const float4*>(p.q0) + tid); };
   if constexpr (!POOL) {
+    load_q0();
     prefetch_program<POOL>(p, sm.st, Records{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.x)});
     for (int prog = blockIdx.x; prog < p.n_programs; prog += stride) {
       const int next = prog + stride;
@@ -731,6 +732,7 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
     if (tid == 0) sm.n_due = n_due;
     __syncthreads();
     if (n_due == 0) continue;
+    load_q0();                                         // only when there is work: none due stays two loads a thread
     auto due_records = [&](int i) { const int2 r = sm.due[i]; return Records{r.x, r.y}; };
     prefetch_program<POOL>(p, sm.st, due_records(0));
     // the count is re-read from shared memory each time rather than held (and spilled) over the flush
