@@ -102,12 +102,16 @@ def deployment_section(records: list[dict], current: dict) -> list[str]:
                          row["due_programs"], f"{row['median_us']:.1f}", _fmt(row["floor_us"], ".1f"),
                          _fmt(row["x_floor"], ".2f"), _fmt(row.get("target_us"), ".1f"),
                          "yes" if row["checked"] else "FAILED"])
+        if "empty_graph_us" in r:
+            rows.append([r["solution"], state, r["environment"]["hardware"], "empty kernel (timer floor)", "-", "-",
+                         f"{r['empty_graph_us']:.1f}", "-", "-", "-", "-"])
     return _records_section(
         "Deployment form",
         "The in-place pool call as a serving engine makes it (OPERATOR.md, \"Deployment form\"), one CUDA graph "
         "replayed L2-cold on a pool filled with a workload's inputs (`scripts/bench_deploy.py`); x floor counts every "
         "byte of the flushed programs once, window reset included; checked: after the last call the due checkpoints "
-        "equal `run`'s bit for bit and everything else is unchanged.",
+        "equal `run`'s bit for bit and everything else is unchanged; empty kernel: one graph of an empty kernel timed "
+        "the same way, what this timer reads for no work.",
         "run `python scripts/bench_deploy.py --solution NAME` on a GPU.",
         ["solution", "measured sources", "hardware", "case", "B", "due programs", "latency us", "floor us", "x floor",
          "target us", "checked"], rows)

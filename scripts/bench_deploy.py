@@ -8,7 +8,8 @@ layout, the dense window and the fill counter `count`). Cases, each one CUDA gra
 B + 1 slots filled with a workload's inputs (family `--family`), timed by
 harness.timing (graph replays between CUDA events, L2 flushed before each, median of TIMED_CALLS after warm-up):
 every program due at each batch size; the steady state at the largest, one sequence in 16 due (a different 16th
-each call, as when every sequence flushes every 16 tokens); none due at the largest, against a 5 us target. Before
+each call, as when every sequence flushes every 16 tokens); none due at the largest, against a 5 us target; and, for
+scale, one graph of an empty kernel timed the same way (the timer's floor). Before
 every call, outside the timed region, the pool is refilled with the inputs under a fresh assignment of sequences to
 slots (idx), so nothing can be reused. The floor counts every byte the flushed programs read and write once, window
 reset included, at the measured copy rate. After the last call of each case the due checkpoints must equal `run`'s
@@ -87,6 +88,17 @@ def time_case(pool_mod, run, op, x: dict, axes: dict, counts, stream) -> tuple[f
     return statistics.median(latencies[timing.WARMUP_CALLS:]), same
 
 
+def empty_graph_us(stream) -> float:
+    """Median latency (us) of a CUDA graph holding one empty kernel, timed as the cases are: what this timer reads
+    for no work at all (graph launch, events, the kernel's launch), the context of the none-due target."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(0)
+        torch.cuda.synchronize(stream.device)
+        graph, _ = timing.capture(lambda: torch.cuda._sleep(0), stream)
+    latencies = timing.time_replays(lambda k: graph, timing.WARMUP_CALLS + timing.TIMED_CALLS, stream)
+    return statistics.median(latencies[timing.WARMUP_CALLS:]) * 1e3
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_deploy.py", description=__doc__.split(":")[0])
     p.add_argument("--solution", required=True)
@@ -118,6 +130,9 @@ def main(argv=None) -> int:
     cases = [("all due", b, lambda k, b=b: torch.full((b,), full)) for b in sorted(args.batch_sizes)]
     cases += [(f"1 in {full} due", largest, lambda k: full - (torch.arange(largest) + k) % full),
               ("none due", largest, lambda k: 1 + (torch.arange(largest) + k) % (full - 1))]
+    empty_us = empty_graph_us(stream)
+    print(f"  {'empty kernel':>12}      : {empty_us:9.1f} us  (this timer's floor: one graph of an empty kernel)",
+          flush=True)
     rows, all_same = [], True
     for case, b, counts in cases:
         axes = defn.resolve_axes({"batch_size": b})
@@ -140,7 +155,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     record = {"definition": defn.name, "solution": sol.name, "solution_sha256": source_sha256(sol, defn),
               "environment": traces.environment("cuda"), "family": args.family, "copy_bandwidth": bandwidth,
-              "bytes_per_program": per_program, "timed_calls": timing.TIMED_CALLS, "rows": rows}
+              "bytes_per_program": per_program, "timed_calls": timing.TIMED_CALLS, "empty_graph_us": empty_us,
+              "rows": rows}
     path = Path(args.traces) / defn.name / f"deploy_{sol.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")

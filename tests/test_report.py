@@ -58,7 +58,7 @@ def _deploy(sha="abc"):
             {"case": "none due", "batch_size": 512, "due_programs": 0, "median_us": 3.2, "floor_us": None,
              "x_floor": None, "checked": False, "target_us": 5.0}]
     return {"definition": "d", "solution": "fast", "solution_sha256": sha, "environment": {"hardware": "NVIDIA_H200"},
-            "rows": rows}
+            "empty_graph_us": 2.9, "rows": rows}
 
 
 def _drift(ratio):
@@ -78,6 +78,8 @@ def test_deployment_and_drift_sections():
     assert all(f"| {c} " in all_due for c in ("fast", "older: re-run", "64", "2048", "300.0", "27.0", "11.11", "yes"))
     none_due = next(line for line in lines if "| none due " in line)
     assert "| 3.2 " in none_due and "| 5.0 " in none_due and "| FAILED " in none_due
+    empty = next(line for line in lines if "| empty kernel (timer floor) " in line)
+    assert "| 2.9 " in empty and "| fast " in empty
     worst = next(line for line in lines if line.startswith("| fast ") and "| 64 " in line and "| 7 " in line)
     assert "| current " in worst and "| 1.0200 " in worst and "1.01 EXCEEDED" in worst
     assert "Nothing recorded" not in text
