@@ -13,7 +13,7 @@ from tabulate import tabulate
 from harness import HarnessError
 from harness.definition import find_definition
 from harness.runner import PASSED, Result, evaluate
-from harness import traces
+from harness import timing, traces
 from harness.solutions import REFERENCE, discover, load_solution, source_sha256
 from harness.workloads import load_workloads, select
 
@@ -64,9 +64,11 @@ def table(results: list[Result]) -> str:
         rows.append([r.solution, r.workload.axes.get("batch_size"), r.workload.family, r.status,
                      f"{v.worst_head_ratio:.4f}" if v and v.worst_head_ratio is not None else "-",
                      f"{r.latency_ms * 1e3:.1f}" if r.latency_ms is not None else "-",
+                     f"{r.floor_ms * 1e3:.1f}" if r.floor_ms else "-",
+                     f"{r.latency_ms / r.floor_ms:.2f}" if r.latency_ms is not None and r.floor_ms else "-",
                      r.log[:90]])
-    return tabulate(rows, headers=["solution", "B", "family", "status", "worst-head ratio", "latency us", "log"],
-                    disable_numparse=True)
+    return tabulate(rows, headers=["solution", "B", "family", "status", "worst-head ratio", "latency us", "floor us",
+                                   "x floor", "log"], disable_numparse=True)
 
 
 def _progress(total: int):
@@ -109,12 +111,15 @@ def main(argv=None) -> int:
         if None in reference_ms.values():
             print("timing the reference too, for the speedups", flush=True)
             solutions.insert(0, load_solution(REFERENCE, defn))
+    # one copy rate for the whole run, so that every solution's floor in it is the same
+    bandwidth = timing.copy_bandwidth(device) if timed else None
     results: list[Result] = []
     for sol in solutions:
         todo = workloads
         if sol.name == REFERENCE and reference_ms:
             todo = [w for w in workloads if reference_ms[w.uuid] is None]
-        done = evaluate(defn, sol, todo, device, args.timeout, on_result=_progress(len(todo)), timed=timed)
+        done = evaluate(defn, sol, todo, device, args.timeout, on_result=_progress(len(todo)), timed=timed,
+                        bandwidth=bandwidth)
         if sol.name == REFERENCE:
             reference_ms.update({r.workload.uuid: r.latency_ms for r in done})
         if trace_root is not None:

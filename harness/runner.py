@@ -189,10 +189,13 @@ def floor_ms(defn: Definition, axes: dict, bandwidth: float) -> float:
 
 
 def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device: str, timeout_s: float = 300.0,
-             on_result: Callable[[Result], None] = lambda r: None, timed: bool | None = None) -> list[Result]:
-    """Judge one solution on each workload in its own worker process; on a GPU, time the ones that pass."""
+             on_result: Callable[[Result], None] = lambda r: None, timed: bool | None = None,
+             bandwidth: float | None = None) -> list[Result]:
+    """Judge one solution on each workload in its own worker process; on a GPU, time the ones that pass, each against
+    the memory floor at `bandwidth` (bytes/s; measured now if not given)."""
     timed = device == "cuda" if timed is None else timed
-    bandwidth = timing.copy_bandwidth(device) if timed else None
+    if timed and bandwidth is None:
+        bandwidth = timing.copy_bandwidth(device)
     op = load_op(defn.op_type)
     worker = Worker(sol, defn, device, timeout_s)
     results = []

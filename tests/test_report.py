@@ -32,6 +32,18 @@ def test_summary_and_rows():
     assert sorted(series) == ["fast", "memory floor", "reference"]
 
 
+def test_every_solution_against_the_fastest_measured_copy_rate():
+    slow_copy = _trace("fast", 64, "a", 0.1, 3.0)
+    slow_copy["evaluation"]["performance"]["floor_ms"] = 0.05          # a run whose copy came out at half the rate
+    other_hw = _trace("other", 64, "a", 0.1, 3.0, hardware="NVIDIA_B200")
+    other_hw["evaluation"]["performance"]["floor_ms"] = 0.01
+    traces = [slow_copy, _trace("reference", 64, "a", 3.0, 3.0), other_hw]
+    assert report.best_floors(traces) == {("NVIDIA_H200", 64): 0.025, ("NVIDIA_B200", 64): 0.01}
+    text, series = report.build(traces, current={})
+    row = next(line for line in text.splitlines() if line.startswith("| fast ") and "| PASSED " in line)
+    assert "| 4.00 " in row                                            # 0.1 ms over 0.025 ms, not over 0.05 ms
+
+
 def test_sources_state():
     traces = [_trace("x", 1, "a", 0.5, 1.0, sha="old"), _trace("x", 2, "a", 0.5, 1.0, sha="new")]
     assert report.sources_state(traces, "new") == "older: re-run"

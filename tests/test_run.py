@@ -59,3 +59,14 @@ def test_cpu_run_writes_traces_when_asked(tmp_path, capsys):
     assert trace["evaluation"]["correctness"]["extra"]["family"] == "random"
     defn = find_definition(DEFINITION)
     assert trace["solution_sha256"] == source_sha256(load_solution("torch_v1", defn), defn)
+
+
+def test_table_shows_the_floor_and_the_ratio_when_timed():
+    from harness.runner import Result
+    from harness.workloads import Workload
+    w = Workload("d", "u", {"batch_size": 64}, {}, "random", 1, "")
+    timed = Result("fast", w, "PASSED", latency_ms=0.1, floor_ms=0.025)
+    untimed = Result("cpu", w, "PASSED")
+    rows = {line.split()[0]: line.split() for line in run.table([timed, untimed]).splitlines()[2:]}
+    assert rows["fast"][5:8] == ["100.0", "25.0", "4.00"]
+    assert rows["cpu"][5:8] == ["-", "-", "-"]
