@@ -34,13 +34,11 @@ def run_solution(name: str, batch_size: int, family: str, calls: int) -> None:
     import torch
 
     from harness.definition import find_definition
-    from harness.ops import load_op
     from harness.run import DEFAULT_DEFINITION
     from harness.solutions import load_entry, load_solution
     from harness.workloads import load_inputs, load_workloads, select
 
     defn = find_definition(DEFAULT_DEFINITION)
-    load_op(defn.op_type)
     [workload] = select(load_workloads(defn), [batch_size], [family])
     entry = load_entry(load_solution(name, defn), defn)
     axes = defn.resolve_axes(workload.axes)
