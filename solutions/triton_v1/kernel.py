@@ -17,13 +17,13 @@ The three subspace products use the factored form, chunked over 32 rows (columns
 The codes and A products run on tensor cores (codes are exact in bf16; the four vectors are a three-way split in the
 columns 0-3 / 4-7 / 8-11 of a [*, 16] tile, summed when the result vectors are extracted); the B parts are fp32 FMAs.
 The vectors the chunked loops read (cs * qk, qv) go through the head's own codes_new region as fp32 scratch (the last
-pass overwrites it), behind a CTA barrier.  CGS2 with merged reductions (7 rounds) orthonormalises the four vectors.
-The residual is rebuilt twice in row chunks of VC rows (once for s_k, once for s_v and the codes). u_new is stored
-before the residual passes and read back (after a CTA barrier) for the rows 24-31 of B. Version 2 (NOTES.md; version
-1 = commit c779a19): A is built once as bf16 rows in the scratch (bytes [8192, 16384) of codes_new; q_new's hi / lo
-go into its columns 24-31 before the residual) and every chunk loads its rows from there; the window rows of B come
-from a sequential per-thread decay product through the scratch (no block-wide scan); pass 1 accumulates |E|
-elementwise and reduces once; pass 2 rounds with one FFMA and needs no clamp.
+pass overwrites it), behind a CTA barrier.  MGS2 runs on four 1-D vectors.  The residual is rebuilt twice in row
+chunks of VC rows (once for s_k, once for s_v and the codes).  u_new is stored before the residual passes and read
+back (after a CTA barrier) for the rows 24-31 of B.
+Version 2 (NOTES.md; version 1 = commit c779a19): A is built once as bf16 rows in the scratch (bytes [8192, 16384) of
+codes_new; q_new's hi / lo go into its columns 24-31 before the residual) and every chunk loads its rows from there;
+the window rows of B come from a sequential per-thread decay product through the scratch (no block-wide scan);
+pass 1 accumulates |E| elementwise and reduces once; pass 2 rounds with one FFMA and needs no clamp.
 
 Config (fixed): 4 warps, num_stages 1, VC = PC = 32, L2 prefetch of the codes and ubuf lines at entry, and a
 128-register cap (4 programs per SM).  NOTES.md has the measurements.
@@ -104,40 +104,39 @@ def _prefetch(ptrs, PF: tl.constexpr):
 
 
 @triton.jit
-def _cgs2_column(v, a_next, C, J: tl.constexpr):
-    """Column J of CGS2 (classical Gram-Schmidt with one reorthogonalisation, as accurate as the reference's MGS2):
-    v is a_J after the first pass, C [N, 8] holds the finished columns 0..J-1 (the rest zero). One reduction for the
-    second pass (J > 0), then one for the norm of column J together with the first-pass dots of a_next (against the
-    finished columns and, scaled by 1/n_J afterwards, against column J itself). Returns c_J, C with it, and a_next
-    after its first pass."""
-    r8 = tl.arange(0, 8)
-    if J > 0:
-        v = v - tl.sum(C * tl.sum(C * v[:, None], axis=0)[None, :], axis=1)
-    col = r8[None, :]
-    if J < 3:
-        t = tl.where(col < J, C * a_next[:, None], tl.where(col == J, (v * a_next)[:, None], 0.0))
-        t = tl.where(col == 4, (v * v)[:, None], t)
-    else:
-        t = tl.where(col == 4, (v * v)[:, None], 0.0)
-    d = tl.sum(t, axis=0)                                                       # [8]
-    n = tl.maximum(tl.sqrt(tl.sum(tl.where(r8 == 4, d, 0.0), axis=0)), 1e-30)
-    c = v / n
-    C = tl.where(col == J, c[:, None], C)
-    if J < 3:
-        r1 = tl.where(r8 < J, d, tl.where(r8 == J, d / n, 0.0))
-        a_next = a_next - tl.sum(C * r1[None, :], axis=1)
-    return c, C, a_next
+def _normalize(v):
+    n = tl.sqrt(tl.sum(v * v, axis=0))
+    n = tl.maximum(n, 1e-30)
+    return v / n
 
 
 @triton.jit
-def _cgs2(a0, a1, a2, a3):
-    """The four vectors orthonormalised (CGS2, the norm clamped at 1e-30 as the reference's MGS2): 7 dependent
-    reductions instead of MGS2's 16 (each a shuffle tree and a CTA barrier)."""
-    C = tl.where(tl.arange(0, 8)[None, :] < 0, a0[:, None], 0.0)              # [N, 8] zeros
-    c0, C, a1 = _cgs2_column(a0, a1, C, 0)
-    c1, C, a2 = _cgs2_column(a1, a2, C, 1)
-    c2, C, a3 = _cgs2_column(a2, a3, C, 2)
-    c3, C, a3 = _cgs2_column(a3, a3, C, 3)
+def _proj(v, c):
+    return v - c * tl.sum(c * v, axis=0)
+
+
+@triton.jit
+def _mgs2(a0, a1, a2, a3):
+    """Modified Gram-Schmidt with the projections applied twice, as the reference's _mgs."""
+    c0 = _normalize(a0)
+    v = a1
+    v = _proj(v, c0)
+    v = _proj(v, c0)
+    c1 = _normalize(v)
+    v = a2
+    v = _proj(v, c0)
+    v = _proj(v, c1)
+    v = _proj(v, c0)
+    v = _proj(v, c1)
+    c2 = _normalize(v)
+    v = a3
+    v = _proj(v, c0)
+    v = _proj(v, c1)
+    v = _proj(v, c2)
+    v = _proj(v, c0)
+    v = _proj(v, c1)
+    v = _proj(v, c2)
+    c3 = _normalize(v)
     return c0, c1, c2, c3
 
 
@@ -328,18 +327,18 @@ def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, g
     tl.store(ascr + rv[:, None] * 32 + f[None, :], _load_a(ubuf_h, q_h, rv, f, V, L, QS).to(tl.bfloat16))
     tl.debug_barrier()
 
-    # ---- 1. qk = orthonormalised S^T q0 (CGS2)
+    # ---- 1. qk = MGS2(S^T q0)
     a0, a1, a2, a3 = _st_product(q0_ptr, R, 1, ascr, codes_h, sv_h, b, cs, c16, f, rk, V, K, L, PC, TC)
-    k0, k1, k2, k3 = _cgs2(a0, a1, a2, a3)
+    k0, k1, k2, k3 = _mgs2(a0, a1, a2, a3)
 
-    # ---- 2. qv = orthonormalised S qk (CGS2)
+    # ---- 2. qv = MGS2(S qk)
     tl.store(scr + 0 * K + rk, cs * k0)
     tl.store(scr + 1 * K + rk, cs * k1)
     tl.store(scr + 2 * K + rk, cs * k2)
     tl.store(scr + 3 * K + rk, cs * k3)
     tl.debug_barrier()
     b0, b1, b2, b3 = _s_product(scr, k0, k1, k2, k3, ascr, codes_h, b, sv, c16, f, rv, V, K, L, PC, TC)
-    v0, v1, v2, v3 = _cgs2(b0, b1, b2, b3)
+    v0, v1, v2, v3 = _mgs2(b0, b1, b2, b3)
 
     # ---- 3. uk = S^T qv
     tl.store(scr + 512 + 0 * V + rv, v0)
