@@ -8,8 +8,9 @@ layout, the dense window and the fill counter `count`). Cases, each one CUDA gra
 B + 1 slots filled with a workload's inputs (family `--family`), timed by
 harness.timing (graph replays between CUDA events, L2 flushed before each, median of TIMED_CALLS after warm-up):
 every program due at each batch size; the steady state at the largest, one sequence in 16 due (a different 16th
-each call, as when every sequence flushes every 16 tokens); none due at the largest, against a 5 us target; and, for
-scale, one graph of an empty kernel timed the same way (the timer's floor). Before
+each call, as when every sequence flushes every 16 tokens); none due at the largest, against a 5 us target, both as
+a graph of its own and as its marginal cost in a graph of several L2-cold steps, as a serving engine's decode graph
+holds it; and, for scale, one graph of an empty kernel timed the same way (the timer's floor). Before
 every call, outside the timed region, the pool is refilled with the inputs under a fresh assignment of sequences to
 slots (idx), so nothing can be reused. The floor counts every byte the flushed programs read and write once, window
 reset included, at the measured copy rate. After the last call of each case the due checkpoints must equal `run`'s
@@ -38,6 +39,7 @@ from harness.workloads import load_inputs, load_workloads, select  # noqa: E402
 
 DEPLOYMENT_SOURCE = "pool.py"
 NONE_DUE_TARGET_US = 5.0
+GRAPH_STEPS = 8          # steps of the graph that measures a none-due call's marginal cost
 SEED = 20261204
 
 
@@ -50,10 +52,39 @@ def program_bytes(defn, op) -> int:
     return sum(math.prod(defn.shape(s, axes)[n_prefix:]) * s.torch_dtype.itemsize for s in specs)
 
 
-def time_case(pool_mod, run, op, x: dict, axes: dict, counts, stream) -> tuple[float, bool]:
+def marginal_in_graph_ms(call, stream, steps: int = GRAPH_STEPS) -> float:
+    """What `call` adds, per call, to a CUDA graph of `steps` L2-cold steps (each an L2 flush, then the call): the
+    graph's median replay time less that of the same graph without the calls, over `steps`. A serving engine's
+    decode step is such a graph, so this is the call's cost there, without a graph launch and two events of its
+    own. Only for calls that leave their inputs as they were (none due): the steps repeat them unchanged."""
+    device = stream.device
+    scratch = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8,
+                          device=device)
+
+    def graph_of(with_call: bool):
+        def body():
+            for i in range(steps):
+                scratch.fill_(i)
+                if with_call:
+                    call()
+        with torch.cuda.stream(stream):
+            body()
+        torch.cuda.synchronize(device)
+        return timing.capture(body, stream)[0]
+
+    medians = []
+    for graph in (graph_of(True), graph_of(False)):
+        latencies = timing.time_replays(lambda k: graph, timing.WARMUP_CALLS + timing.TIMED_CALLS, stream)
+        medians.append(statistics.median(latencies[timing.WARMUP_CALLS:]))
+    return (medians[0] - medians[1]) / steps
+
+
+def time_case(pool_mod, run, op, x: dict, axes: dict, counts, stream,
+              in_graph: bool = False) -> tuple[float, bool, float | None]:
     """Median latency (ms) of flush_inplace on a pool of B + 1 slots holding the inputs x, the counters of call k's
-    sequences counts(k) [B] (due: a full window); and whether after the last call the due sequences' checkpoints
-    equal run's on x bit for bit and their windows are reset, the others' unchanged."""
+    sequences counts(k) [B] (due: a full window); whether after the last call the due sequences' checkpoints
+    equal run's on x bit for bit and their windows are reset, the others' unchanged; and with `in_graph`, the
+    call's marginal cost in a graph of several steps on the pool as the last call left it (None otherwise)."""
     full = axes["window"]
     B, H = x["codes"].shape[:2]
     device = x["codes"].device
@@ -85,7 +116,8 @@ def time_case(pool_mod, run, op, x: dict, axes: dict, counts, stream) -> tuple[f
     for name, after in flushed.items():
         due = last["due"].reshape(-1, *[1] * (after.dim() - 1))
         same &= torch.equal(getattr(pool, name)[last["slots"]], torch.where(due, after, x[name]))
-    return statistics.median(latencies[timing.WARMUP_CALLS:]), same
+    marginal = marginal_in_graph_ms(lambda: pool_mod.flush_inplace(pool, idx, q0), stream) if in_graph else None
+    return statistics.median(latencies[timing.WARMUP_CALLS:]), same, marginal
 
 
 def empty_graph_us(stream) -> float:
@@ -137,8 +169,9 @@ def main(argv=None) -> int:
     for case, b, counts in cases:
         axes = defn.resolve_axes({"batch_size": b})
         x = load_inputs(defn, workloads[b], "cuda")
-        median_ms, same = time_case(pool_mod, run, op, x, axes, counts, stream)
         due_programs = int((counts(0) == full).sum()) * defn.const_axes["num_heads"]
+        median_ms, same, marginal_ms = time_case(pool_mod, run, op, x, axes, counts, stream,
+                                                 in_graph=not due_programs)
         floor = due_programs * per_program / bandwidth * 1e3 if due_programs else None
         row = {"case": case, "batch_size": b, "due_programs": due_programs,
                "median_us": median_ms * 1e3, "floor_us": floor * 1e3 if floor else None,
@@ -151,6 +184,12 @@ def main(argv=None) -> int:
               + (f"  floor {row['floor_us']:.1f} us  x{row['x_floor']:.2f}" if floor else
                  f"  (target <= {NONE_DUE_TARGET_US} us)")
               + ("" if same else "  WRONG: differs from run or from its inputs"), flush=True)
+        if marginal_ms is not None:
+            rows.append({"case": f"{case}, per call in a graph of {GRAPH_STEPS}", "batch_size": b, "due_programs": 0,
+                         "median_us": marginal_ms * 1e3, "floor_us": None, "x_floor": None, "checked": same,
+                         "target_us": NONE_DUE_TARGET_US})
+            print(f"  {case:>12} B={b:4d}: {marginal_ms * 1e3:9.1f} us  per call inside a graph of {GRAPH_STEPS} "
+                  "L2-cold steps (the graph's launch and events not counted)", flush=True)
         del x
         torch.cuda.empty_cache()
     record = {"definition": defn.name, "solution": sol.name, "solution_sha256": source_sha256(sol, defn),
