@@ -162,8 +162,9 @@ def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = 
                      "Rebuilt from `traces/` by `python -m harness.report`; CI fails when this file is stale. "
                      "Latency: median over the input families of each family's median kernel time (L2-cold, "
                      "`harness/timing.py`); x floor: latency over the memory floor (every byte read and written once "
-                     "at the fastest copy rate measured on that hardware by the recorded runs); speedup: over `reference` on the same workloads. Measured sources: "
-             "whether the traces were taken on the solution's sources as they are now.", ""]
+                     "at the fastest copy rate measured on that hardware by the recorded runs); speedup: over "
+                     "`reference` on the same workloads. Measured sources: whether the traces were taken on the "
+                     "solution's sources as they are now.", ""]
 
     for definition, ts in sorted(by_def.items()):
         parts += [f"## {definition}", "", f"![latency against batch size]({PLOT.as_posix()})", ""]

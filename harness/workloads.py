@@ -192,7 +192,8 @@ def select(workloads: list[Workload], batch_sizes=None, families=None, axis: str
     for b in batch_sizes or ():
         if not any(w.axes.get(axis) == b for w in workloads):
             present = sorted({w.axes.get(axis) for w in workloads})
-            raise WorkloadError(f"no workload with {axis}={b} (present: {present}); add it with scripts/gen_workloads.py")
+            raise WorkloadError(f"no workload with {axis}={b} (present: {present}); "
+                                "add it with scripts/gen_workloads.py")
     for f in families or ():
         if not any(w.family == f for w in workloads):
             raise WorkloadError(f"no workload of family {f!r} (present: {sorted({w.family for w in workloads})})")

@@ -11,10 +11,10 @@ def _trace(solution, batch, family, latency, ref, status="PASSED", ratio=1.002, 
     if status == "PASSED":
         ev["correctness"] = {"max_relative_error": 0.01, "max_absolute_error": 0.1,
                              "extra": {"family": family, "worst_head_ratio": ratio}}
-        ev["performance"] = {"latency_ms": latency, "reference_latency_ms": ref, "speedup_factor": ref / latency if latency else 0.0,
-                             "floor_ms": 0.025}
-    return {"definition": "d", "workload": {"uuid": f"{batch}-{family}", "axes": {"batch_size": batch},
-                                            "inputs": {}}, "solution": solution, "solution_sha256": sha, "evaluation": ev}
+        ev["performance"] = {"latency_ms": latency, "reference_latency_ms": ref,
+                             "speedup_factor": ref / latency if latency else 0.0, "floor_ms": 0.025}
+    return {"definition": "d", "workload": {"uuid": f"{batch}-{family}", "axes": {"batch_size": batch}, "inputs": {}},
+            "solution": solution, "solution_sha256": sha, "evaluation": ev}
 
 
 def test_summary_and_rows():
