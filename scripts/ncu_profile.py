@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness import HarnessError  # noqa: E402
+
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,6}\*/\s+\S")
 LINE = re.compile(r'//## File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
@@ -75,7 +77,9 @@ def source_lines(cubin: str, source: str | None) -> list[tuple[str, int] | None]
 
 def stalls(source_csv: str, cubin: str, source: str | None, top: int) -> None:
     rows = list(csv.reader(open(source_csv)))
-    header = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    header = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), None)
+    if header is None:
+        raise ValueError(f"{source_csv}: no 'Address' header row: not `ncu --page source --csv --print-source sass`")
     col = {h: i for i, h in enumerate(rows[header])}
     data = rows[header + 1:]
     reasons = [h for h in col if h.startswith("stall_") and "Not Issued" not in h]
@@ -115,10 +119,14 @@ def main(argv=None) -> int:
     s.add_argument("--source", help="the kernel's source file (quoted, and only its lines counted)")
     s.add_argument("--top", type=int, default=30)
     args = p.parse_args(argv)
-    if args.command == "run":
-        run_solution(args.solution, args.batch_size, args.family, args.calls)
-    else:
-        stalls(args.source_csv, args.cubin, args.source, args.top)
+    try:
+        if args.command == "run":
+            run_solution(args.solution, args.batch_size, args.family, args.calls)
+        else:
+            stalls(args.source_csv, args.cubin, args.source, args.top)
+    except (HarnessError, OSError, ValueError, KeyError, subprocess.CalledProcessError) as e:
+        print(f"error: {' '.join(str(e).split())[:300]}", file=sys.stderr)
+        return 2
     return 0
 
 

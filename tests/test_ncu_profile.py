@@ -58,3 +58,13 @@ def test_a_profile_of_another_kernel_is_refused(cubin):
     _source_page(cubin / "short.csv", lines[:-1], hot_line=3)
     with pytest.raises(SystemExit, match="not the profiled kernel"):
         ncu_profile.stalls(str(cubin / "short.csv"), str(cubin / "k.cubin"), None, top=3)
+
+
+def test_bad_input_is_one_line(tmp_path, cubin, capsys):
+    (tmp_path / "not_a_page.csv").write_text("a,b\n")
+    assert ncu_profile.main(["stalls", str(tmp_path / "not_a_page.csv"), str(cubin / "k.cubin")]) == 2
+    assert ncu_profile.main(["stalls", str(tmp_path / "missing.csv"), str(cubin / "k.cubin")]) == 2
+    assert ncu_profile.main(["run", "--solution", "no_such_solution"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+    assert "no 'Address' header row" in err[0] and "no such solution" in err[2]
