@@ -85,7 +85,7 @@ def stalls(source_csv: str, cubin: str, source: str | None, top: int) -> None:
     reasons = [h for h in col if h.startswith("stall_") and "Not Issued" not in h]
     lines = source_lines(cubin, source)
     if len(lines) != len(data):
-        sys.exit(f"error: the cubin has {len(lines)} instructions, the profile {len(data)}: not the profiled kernel")
+        raise ValueError(f"the cubin has {len(lines)} instructions, the profile {len(data)}: not the profiled kernel")
     samples, executed, by_reason = Counter(), Counter(), defaultdict(Counter)
     for where, r in zip(lines, data):
         samples[where] += int(r[col["Warp Stall Sampling (All Samples)"]] or 0)

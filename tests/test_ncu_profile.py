@@ -56,7 +56,7 @@ def test_samples_land_on_their_source_line(cubin, capsys):
 def test_a_profile_of_another_kernel_is_refused(cubin):
     lines = ncu_profile.source_lines(str(cubin / "k.cubin"), None)
     _source_page(cubin / "short.csv", lines[:-1], hot_line=3)
-    with pytest.raises(SystemExit, match="not the profiled kernel"):
+    with pytest.raises(ValueError, match="not the profiled kernel"):
         ncu_profile.stalls(str(cubin / "short.csv"), str(cubin / "k.cubin"), None, top=3)
 
 
