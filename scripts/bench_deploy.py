@@ -52,6 +52,20 @@ def program_bytes(defn, op) -> int:
     return sum(math.prod(defn.shape(s, axes)[n_prefix:]) * s.torch_dtype.itemsize for s in specs)
 
 
+def warm_graph(call, stream):
+    """call() run once on `stream` (compilation, caches, allocator), then captured in a CUDA graph there."""
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.synchronize(stream.device)
+    return timing.capture(call, stream)[0]
+
+
+def median_ms(prepare, stream) -> float:
+    """Median latency (ms) of the timed replays of the graphs prepare(k) returns (harness.timing, after warm-up)."""
+    latencies = timing.time_replays(prepare, timing.WARMUP_CALLS + timing.TIMED_CALLS, stream)
+    return statistics.median(latencies[timing.WARMUP_CALLS:])
+
+
 def marginal_in_graph_ms(call, stream, steps: int = GRAPH_STEPS) -> float:
     """What `call` adds, per call, to a CUDA graph of `steps` L2-cold steps (each an L2 flush, then the call): the
     graph's median replay time less that of the same graph without the calls, over `steps`. A serving engine's
@@ -61,22 +75,16 @@ def marginal_in_graph_ms(call, stream, steps: int = GRAPH_STEPS) -> float:
     scratch = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8,
                           device=device)
 
-    def graph_of(with_call: bool):
+    def steps_of(with_call: bool):
         def body():
             for i in range(steps):
                 scratch.fill_(i)
                 if with_call:
                     call()
-        with torch.cuda.stream(stream):
-            body()
-        torch.cuda.synchronize(device)
-        return timing.capture(body, stream)[0]
+        return body
 
-    medians = []
-    for graph in (graph_of(True), graph_of(False)):
-        latencies = timing.time_replays(lambda k: graph, timing.WARMUP_CALLS + timing.TIMED_CALLS, stream)
-        medians.append(statistics.median(latencies[timing.WARMUP_CALLS:]))
-    return (medians[0] - medians[1]) / steps
+    with_calls, without = (warm_graph(steps_of(c), stream) for c in (True, False))
+    return (median_ms(lambda k: with_calls, stream) - median_ms(lambda k: without, stream)) / steps
 
 
 def time_case(pool_mod, run, op, x: dict, axes: dict, counts, stream,
@@ -103,13 +111,11 @@ def time_case(pool_mod, run, op, x: dict, axes: dict, counts, stream,
         last.update(slots=slots, due=due == full)
         return graph
 
+    graph = None
     with torch.cuda.stream(stream):
-        graph = None
         prepare(0)
-        pool_mod.flush_inplace(pool, idx, q0)           # warm-up: compilation
-        torch.cuda.synchronize(device)
-        graph, _ = timing.capture(lambda: pool_mod.flush_inplace(pool, idx, q0), stream)
-    latencies = timing.time_replays(prepare, timing.WARMUP_CALLS + timing.TIMED_CALLS, stream)
+    graph = warm_graph(lambda: pool_mod.flush_inplace(pool, idx, q0), stream)
+    median = median_ms(prepare, stream)
     flushed = dict(zip(op.CHECKPOINT, run(x, axes)))
     flushed.update({name: torch.full_like(x[name], value) for name, value in op.WINDOW_RESET.items()})
     same = True
@@ -117,18 +123,14 @@ def time_case(pool_mod, run, op, x: dict, axes: dict, counts, stream,
         due = last["due"].reshape(-1, *[1] * (after.dim() - 1))
         same &= torch.equal(getattr(pool, name)[last["slots"]], torch.where(due, after, x[name]))
     marginal = marginal_in_graph_ms(lambda: pool_mod.flush_inplace(pool, idx, q0), stream) if in_graph else None
-    return statistics.median(latencies[timing.WARMUP_CALLS:]), same, marginal
+    return median, same, marginal
 
 
 def empty_graph_us(stream) -> float:
     """Median latency (us) of a CUDA graph holding one empty kernel, timed as the cases are: what this timer reads
     for no work at all (graph launch, events, the kernel's launch), the context of the none-due target."""
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(0)
-        torch.cuda.synchronize(stream.device)
-        graph, _ = timing.capture(lambda: torch.cuda._sleep(0), stream)
-    latencies = timing.time_replays(lambda k: graph, timing.WARMUP_CALLS + timing.TIMED_CALLS, stream)
-    return statistics.median(latencies[timing.WARMUP_CALLS:]) * 1e3
+    graph = warm_graph(lambda: torch.cuda._sleep(0), stream)
+    return median_ms(lambda k: graph, stream) * 1e3
 
 
 def main(argv=None) -> int:
