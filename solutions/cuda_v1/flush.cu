@@ -16,10 +16,11 @@
 //       j 16-19: A = bf16 hi of q_{j-16} (fp16 = hi + lo exactly)   B = u_{j-16}[k] exp(pcum[k])
 //       j 20-23: A = bf16 lo of q_{j-20}                            B = u_{j-20}[k] exp(pcum[k])
 //     B is fp32 and goes in as a three-way bf16 split (hi + mid + lo = 24 bits; 2-way failed the hot-row heads).
-//  2. Subspace iteration in fp32 on CUDA cores from the registers: S^T q0 (column partials reduced across the 8
-//     lanes of a column by a shuffle reduce-scatter, then across the 4 row-warps in shared memory), MGS2 (warp 0,
-//     exactly the reference's order: projections twice, norm clamp 1e-30), S qk (row partials reduced across the
-//     4 lanes of a row, then the 2 column-warps), MGS2, S^T qv. u_new, q_new rounded to fp16.
+//  2. Subspace iteration from the registers: S^T q0 in fp32 on CUDA cores (column partials reduced across the 8
+//     lanes of a column by a shuffle reduce-scatter, then across the 4 row-warps in shared memory); CGS2 in warp 0
+//     (as accurate as the reference's MGS2; norm clamp 1e-30); S qk on tf32 tensor cores (3xTF32, the accumulator
+//     tiles are A fragments as they stand); CGS2; S^T qv on bf16 tensor cores (hi + lo pairs, the tiles transposed
+//     by movmatrix). u_new, q_new rounded to fp16.
 //  3. Residual E = S - q_new^T u_new by one fp16 m16n8k8 mma per tile (exact fp16 products onto the fp32 state),
 //     s_k = sqrt(mean_v |E|), s_v = max_k |E| / s_k (clamped 1e-12), codes = round-half-even(E / (s_k s_v) * 127)
 //     by the 1.5 * 2^23 magic add in one FFMA (|value| <= 127 by construction, see NOTES.md), packed 16 bytes per
@@ -58,7 +59,9 @@ struct __align__(16) Smem {
   float cs[K];             // s_k / 127 * exp(pcum)
   float isk[K];            // 1 / s_k_new
   float4 q0s[V];           // q0 rows
-  float4 vec[V];           // qk, then qv (fp32)
+  float zs[8][K + 4];      // qk as tf32 B operands of S qk: row n < 4 the tf32 part of qk_n, n >= 4 the rest
+  uint16_t qvb[8][V + 8];  // qv as bf16 B operands of S^T qv: row n < 4 the hi of qv_n, n >= 4 the lo of qv_{n-4};
+                           // rows padded so that the fragment loads are conflict-free
   int2 due[NTHREADS];      // deployment form: this round's due programs (Records)
   int due_in_warp[NTHREADS / 32];
   int n_due;
@@ -181,6 +184,35 @@ __device__ __forceinline__ void mma_f16_k8(float (&c)[4], uint32_t a0, uint32_t 
   asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(b0));
+}
+
+__device__ __forceinline__ void mma_tf32_k8(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// fp32 = tf32 part (the low 13 bits cleared, exact) + the rest (exact; the tensor core keeps its top 11 bits)
+__device__ __forceinline__ uint32_t tf32_part(float x) { return __float_as_uint(x) & 0xffffe000u; }
+__device__ __forceinline__ uint32_t tf32_rest(float x) {
+  return __float_as_uint(x - __uint_as_float(tf32_part(x)));
+}
+
+// (a, b) as a bf16 pair (a in the low half) and the pair of what is left (a two-way split: 16 significant bits)
+__device__ __forceinline__ void split2_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  hi = reinterpret_cast<const uint32_t&>(h);
+  const __nv_bfloat162 l =
+      __floats2bfloat162_rn(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
+  lo = reinterpret_cast<const uint32_t&>(l);
 }
 
 __device__ __forceinline__ uint32_t bf16_bits(float x) {   // round to nearest even
@@ -310,6 +342,18 @@ __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint3
   const uint32_t ab = __byte_perm(a, b, 0x0040u);
   const uint32_t cd = __byte_perm(c, d, 0x0040u);
   return __byte_perm(ab, cd, 0x5410u);
+}
+
+// qv (rows 4 lane + i held by one warp in a[i][n]) into the bf16 B-operand rows of S^T qv.
+__device__ __forceinline__ void stage_qv(uint16_t (*xs)[V + 8], const float (&a)[4][4], int lane) {
+#pragma unroll
+  for (int n = 0; n < R; ++n) {
+    uint32_t h01, l01, h23, l23;
+    split2_pair(a[0][n], a[1][n], h01, l01);
+    split2_pair(a[2][n], a[3][n], h23, l23);
+    *reinterpret_cast<uint2*>(&xs[n][4 * lane]) = make_uint2(h01, h23);
+    *reinterpret_cast<uint2*>(&xs[R + n][4 * lane]) = make_uint2(l01, l23);
+  }
 }
 
 // One program: wait for its staged inputs, flush it, and (after barrier #1, when the staging area is free) start the
@@ -480,13 +524,14 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   }
 
   // ---- 2. subspace iteration -------------------------------------------------------------------------------------
-  // S^T x for x = rows of xs (fp32 [V] float4): column partials over this lane's 4 rows, reduce-scattered over the
-  // 8 lanes g of a column (lane keeps column colbase + 2 nt + (g >> 2), vector g & 3), into red[wr][k][j].
-  auto st_product = [&](const float4* xs) {
+  // S^T q0 in fp32 on CUDA cores: column partials over this lane's 4 rows, reduce-scattered over the 8 lanes g of a
+  // column (lane keeps column colbase + 2 nt + (g >> 2), vector g & 3), into red[wr][k][j]. Its precision decides
+  // qk, and through it the tokens: a bf16 hi + lo form of S here moved the worst-head ratio from 1.004 to 1.009.
+  {
     float xr[4][4];
 #pragma unroll
     for (int ri = 0; ri < 4; ++ri) {
-      const float4 x4 = xs[row_of(ri)];
+      const float4 x4 = sm.q0s[row_of(ri)];
       xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
     }
     const bool u2 = (g >> 2) & 1, u1 = (g >> 1) & 1, u0 = g & 1;
@@ -509,43 +554,57 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       rs_level<2>(pv, u0, 4);
       redp[8 * nt] = pv[0];                          // red[wr][colbase + 2 nt + (g >> 2)][g & 3]
     }
-  };
-
-  st_product(sm.q0s);
+  }
   __syncthreads();                                                                                   // #2
   if (warp == 0) {
     float a[4][4];
     sum_partials<4>(sm.red, lane, a);                  // the 4 row-warps' column partials of S^T q0
     cgs2(a);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
+    for (int n = 0; n < R; ++n) {
+      uint4 part, rest;
+      part.x = tf32_part(a[0][n]); part.y = tf32_part(a[1][n]);
+      part.z = tf32_part(a[2][n]); part.w = tf32_part(a[3][n]);
+      rest.x = tf32_rest(a[0][n]); rest.y = tf32_rest(a[1][n]);
+      rest.z = tf32_rest(a[2][n]); rest.w = tf32_rest(a[3][n]);
+      *reinterpret_cast<uint4*>(&sm.zs[n][4 * lane]) = part;
+      *reinterpret_cast<uint4*>(&sm.zs[R + n][4 * lane]) = rest;
+    }
   }
   __syncthreads();                                                                                   // #3
 
-  // S qk: row partials over this lane's 16 columns, reduce-scattered over the 4 lanes t of a row
+  // S qk on tf32 tensor cores (3xTF32: S and qk each as a tf32 part + the rest; the N = 8 of [part | rest] gives the
+  // fourth product free). An m16n8 accumulator tile is an m16n8k8 tf32 A fragment as it stands once its columns
+  // 2 t, 2 t + 1 are read as the A columns t, t + 4; B's rows follow the same order. The 2 column-warps are summed by
+  // the consumer through red[wc][v][j].
   {
-    float pr[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) pr[i] = 0.0f;
+    float d[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const float4 z0 = sm.vec[colbase + 2 * nt];
-      const float4 z1 = sm.vec[colbase + 2 * nt + 1];
-      const float za[2][4] = {{z0.x, z0.y, z0.z, z0.w}, {z1.x, z1.y, z1.z, z1.w}};
+      const float2 z = *reinterpret_cast<const float2*>(&sm.zs[g][colbase + 2 * nt]);   // k = colbase + 2 nt (+1)
+      const uint32_t b0 = __float_as_uint(z.x), b1 = __float_as_uint(z.y);
 #pragma unroll
-      for (int ri = 0; ri < 4; ++ri)
+      for (int mt = 0; mt < 2; ++mt) {
+        const float* c = acc[mt][nt];
+        mma_tf32_k8(d[mt], tf32_rest(c[0]), tf32_rest(c[2]), tf32_rest(c[1]), tf32_rest(c[3]), b0, b1);
+        mma_tf32_k8(d[mt], tf32_part(c[0]), tf32_part(c[2]), tf32_part(c[1]), tf32_part(c[3]), b0, b1);
+      }
+    }
+    // columns n = 2 t, 2 t + 1: the qk part of qk_n for t < 2, the rest of qk_{n-4} for t >= 2
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float s = pr[4 * ri + j];
-          s = fmaf(acc[ri >> 1][nt][2 * (ri & 1)], za[0][j], s);
-          s = fmaf(acc[ri >> 1][nt][2 * (ri & 1) + 1], za[1][j], s);
-          pr[4 * ri + j] = s;
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[mt][i] += __shfl_xor_sync(FULL, d[mt][i], 2);
+    if (t < 2) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int v = 32 * wr + 16 * mt + 8 * h + g;
+          *reinterpret_cast<float2*>(sm.red + (wc * 128 + v) * 4 + 2 * t) =
+              make_float2(d[mt][2 * h], d[mt][2 * h + 1]);
         }
     }
-    rs_level<16>(pr, t & 1, 1);            // keeps mt = t & 1
-    rs_level<8>(pr, (t >> 1) & 1, 2);      // keeps h = t >> 1
-    const int v = 32 * wr + 16 * (t & 1) + 8 * (t >> 1) + g;
-    reinterpret_cast<float4*>(sm.red)[wc * 128 + v] = make_float4(pr[0], pr[1], pr[2], pr[3]);
   }
   __syncthreads();                                                                                   // #4
   if (warp == 0) {
@@ -555,9 +614,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     __half* q_new = reinterpret_cast<__half*>(static_cast<char*>(p.q_new) + ck_offset<POOL>(rec.ck, 2 * R * V));
     uint32_t hq[4][2];                               // [i][pair]
     __half hv[4][4];
+    stage_qv(sm.qvb, a, lane);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      sm.vec[4 * lane + i] = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
 #pragma unroll
       for (int r = 0; r < 4; ++r) hv[i][r] = __float2half_rn(a[i][r]);
       hq[i][0] = half_pair(hv[i][0], hv[i][1]);
@@ -573,7 +632,47 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   }
   __syncthreads();                                                                                   // #5
 
-  st_product(sm.vec);                                  // S^T qv
+  // u = S^T qv on bf16 tensor cores: S and qv as hi + lo pairs (S_lo qv_lo comes free with the N = 8 of
+  // [qv_hi | qv_lo]); the checkpoint is insensitive to its precision (the same worst-head ratios as in fp32). A
+  // 16 x 8 accumulator tile transposed by two movmatrix is half an A fragment of S^T (rows k, columns v); the warp's
+  // 32 rows v are summed over its two m-tiles, the 4 row-warps by the consumer through red[wr][k][j].
+  {
+    uint32_t bx[2][2];                               // B[v][n]: v = 16 mt + 2 t (+1, +8, +9) of the warp's rows
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const uint16_t* xr = &sm.qvb[g][32 * wr + 16 * mt + 2 * t];
+      bx[mt][0] = *reinterpret_cast<const uint32_t*>(xr);
+      bx[mt][1] = *reinterpret_cast<const uint32_t*>(xr + 8);
+    }
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {                 // A rows 0-7: the columns of n-tile 2 np, rows 8-15: 2 np + 1
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        uint32_t ahi[4], alo[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {                // i: (n-tile 2 np + (i & 1), accumulator rows 8 (i >> 1) + g)
+          const float* c = &acc[mt][2 * np + (i & 1)][2 * (i >> 1)];
+          uint32_t hi, lo;
+          split2_pair(c[0], c[1], hi, lo);
+          ahi[i] = movmatrix_trans(hi);
+          alo[i] = movmatrix_trans(lo);
+        }
+        mma_bf16_k16(d, alo, bx[mt][0], bx[mt][1]);
+        mma_bf16_k16(d, ahi, bx[mt][0], bx[mt][1]);
+      }
+      // columns n = 2 t, 2 t + 1: the qv_hi part of u_n for t < 2, the qv_lo part of u_{n-4} for t >= 2
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[i] += __shfl_xor_sync(FULL, d[i], 2);
+      if (t < 2) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {                // A row g + 8 h = column g of n-tile 2 np + h
+          const int k = 64 * wc + 16 * (g >> 1) + 2 * (2 * np + h) + (g & 1);
+          *reinterpret_cast<float2*>(sm.red + wr * 512 + k * 4 + 2 * t) = make_float2(d[2 * h], d[2 * h + 1]);
+        }
+      }
+    }
+  }
   __syncthreads();                                                                                   // #6
   {
     const int k = tid >> 1, jp = (tid & 1) * 2;
