@@ -8,7 +8,8 @@
   python scripts/ncu_profile.py stalls SOURCE_CSV CUBIN [--source FILE] [--top 30]
       SOURCE_CSV: `ncu -i prof.ncu-rep --page source --csv --print-source sass`; CUBIN: the profiled kernel's own
       cubin (Triton: `~/.triton/cache/*/KERNEL.cubin`; CUDA: `cuobjdump -xelf all` of the extension, built with
-      -lineinfo). Prints the warp-stall samples by reason and by source line (the line table of the cubin, read
+      -lineinfo: cuda_v1 adds it under LEAPQUANT_CUDA_LINEINFO=1; of several kernels in a cubin, the one as long
+      as the profile is taken). Prints the warp-stall samples by reason and by source line (the line table of the cubin, read
       with nvdisasm -g, maps each SASS instruction to its line; FILE names the source to quote, and code inlined
       from other files counts to the line of FILE that called it), with the instructions each line executed and its
       three main stall reasons.
@@ -29,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import HarnessError  # noqa: E402
 
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,6}\*/\s+\S")
+BARRIER = re.compile(r"\s*(@!?U?P\w+\s+)?BAR\.(SYNC|RED|ARV)")
+SECTION = re.compile(r"\s*\.section\s+\.text\.(?P<name>[^,\s]+)")
 LINE = re.compile(r'//## File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
@@ -59,20 +62,25 @@ def nvdisasm() -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
 
 
-def source_lines(cubin: str, source: str | None) -> list[tuple[str, int] | None]:
-    """(file, line) of every SASS instruction of the cubin, in address order (None: no line information)."""
+def source_lines(cubin: str, source: str | None) -> dict[str, list[tuple[str, int] | None]]:
+    """Per kernel of the cubin: (file, line) of each of its SASS instructions, in address order (None: no line
+    information)."""
     text = subprocess.run([nvdisasm(), "-g", "-c", cubin], capture_output=True, text=True, check=True).stdout
-    where, lines = None, []
+    kernels: dict[str, list[tuple[str, int] | None]] = {}
+    where, lines = None, kernels.setdefault("", [])
     for row in text.splitlines():
         m = LINE.search(row)
-        if m:
+        f = SECTION.match(row)
+        if f:
+            where, lines = None, kernels.setdefault(f["name"], [])
+        elif m:
             # with a source file given, code inlined from elsewhere (a library's reduction) counts to the line of
             # that file it was called from
             if source is None or Path(m["file"]).name == Path(source).name:
                 where = (m["file"], int(m["line"]))
         elif INSTRUCTION.match(row):
             lines.append(where)
-    return lines
+    return {k: v for k, v in kernels.items() if v}
 
 
 def stalls(source_csv: str, cubin: str, source: str | None, top: int) -> None:
@@ -83,15 +91,32 @@ def stalls(source_csv: str, cubin: str, source: str | None, top: int) -> None:
     col = {h: i for i, h in enumerate(rows[header])}
     data = rows[header + 1:]
     reasons = [h for h in col if h.startswith("stall_") and "Not Issued" not in h]
-    lines = source_lines(cubin, source)
-    if len(lines) != len(data):
-        raise ValueError(f"the cubin has {len(lines)} instructions, the profile {len(data)}: not the profiled kernel")
+    kernels = source_lines(cubin, source)
+    # the profiled kernel is the one of the same length (a cubin may hold several, e.g. two instantiations)
+    matching = [lines for lines in kernels.values() if len(lines) == len(data)]
+    if not matching:
+        sizes = ", ".join(str(len(v)) for v in kernels.values()) or "no"
+        raise ValueError(f"the cubin's kernels have {sizes} instructions, the profile {len(data)}: "
+                         "not the profiled kernel")
+    if len(matching) > 1:
+        raise ValueError(f"{len(matching)} kernels of the cubin have the profile's {len(data)} instructions")
+    lines = matching[0]
     samples, executed, by_reason = Counter(), Counter(), defaultdict(Counter)
+    # stretches between CTA barriers: a barrier's wait lands on the instruction after it, so each stretch's share
+    # includes the wait for the slowest warp of the stretch before (e.g. one warp's serial section)
+    segment, seg_samples, seg_executed, seg_first = 0, Counter(), Counter(), {}
     for where, r in zip(lines, data):
-        samples[where] += int(r[col["Warp Stall Sampling (All Samples)"]] or 0)
-        executed[where] += int(r[col["Instructions Executed"]] or 0)
+        n_samples = int(r[col["Warp Stall Sampling (All Samples)"]] or 0)
+        n_executed = int(r[col["Instructions Executed"]] or 0)
+        samples[where] += n_samples
+        executed[where] += n_executed
         for h in reasons:
             by_reason[where][h] += int(r[col[h]] or 0)
+        seg_samples[segment] += n_samples
+        seg_executed[segment] += n_executed
+        seg_first.setdefault(segment, where)
+        if BARRIER.match(r[col["Source"]]):
+            segment += 1
     total = sum(samples.values()) or 1
     overall = Counter()
     for c in by_reason.values():
@@ -99,6 +124,13 @@ def stalls(source_csv: str, cubin: str, source: str | None, top: int) -> None:
     print(f"{total} stall samples, {sum(executed.values())} warp-instructions executed")
     print("by reason: " + ", ".join(f"{h[6:]} {100 * v / total:.1f}%" for h, v in overall.most_common(8)))
     text = Path(source).read_text().splitlines() if source else []
+    if segment:
+        all_executed = sum(seg_executed.values()) or 1
+        print("by stretch between CTA barriers (samples, instructions, first line):")
+        for k in sorted(seg_samples):
+            first = seg_first[k][1] if seg_first[k] else "-"
+            print(f"  {k:3d}  {100 * seg_samples[k] / total:5.1f}%  {100 * seg_executed[k] / all_executed:5.1f}%  "
+                  f"{first}")
     for where, s in samples.most_common(top):
         quote = text[where[1] - 1].strip()[:70] if where and text else (f"{where[0]}:{where[1]}" if where else "?")
         main = ", ".join(f"{h[6:]} {100 * v / max(s, 1):.0f}%" for h, v in by_reason[where].most_common(3))

@@ -25,7 +25,11 @@ def extension():
     if _ext is not None:
         return _ext
     from torch.utils.cpp_extension import load
-    h = hashlib.sha256()
+    # LEAPQUANT_CUDA_LINEINFO=1 adds a line table for profilers (scripts/ncu_profile.py); a build of its own
+    flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
+    if os.environ.get("LEAPQUANT_CUDA_LINEINFO") == "1":
+        flags.append("-lineinfo")
+    h = hashlib.sha256(" ".join(flags).encode())
     for name in _SOURCES + _HEADERS:
         h.update(name.encode())
         h.update((_HERE / name).read_bytes())
@@ -38,7 +42,7 @@ def extension():
     try:
         _ext = load(name=f"leapquant_cuda_v1_{tag}", sources=[str(_HERE / s) for s in _SOURCES],
                     extra_include_paths=[str(_HERE)], extra_cflags=["-O3"],
-                    extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
+                    extra_cuda_cflags=flags,
                     build_directory=str(build_dir), verbose=False)
     finally:
         if saved is None:
