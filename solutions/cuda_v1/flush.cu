@@ -114,41 +114,34 @@ __device__ __forceinline__ const T* at_bytes(const void* base, size_t offset) {
   return reinterpret_cast<const T*>(static_cast<const char*>(base) + offset);
 }
 
-// Issue the copies of a program's inputs into the staging area: its 2,020 16-byte chunks i = first, first + stride,
-// ... (the threads that copy are the threads that wait for the copies).
+// Issue the copies of a program's inputs into the staging area (7 or 8 16-byte copies per thread).
 template <bool POOL>
-__device__ __forceinline__ void prefetch_program(const FlushParams& p, Stage& st, Records rec, int first, int stride) {
+__device__ __forceinline__ void prefetch_program(const FlushParams& p, Stage& st, Records rec) {
+  const int tid = fresh_tid();
   const size_t win = static_cast<size_t>(rec.win);
   const uint4* codes = at_bytes<uint4>(p.codes, ck_offset<POOL>(rec.ck, V * K));
-#pragma unroll 1
-  for (int i = first; i < V * K / 16; i += stride) {
-    const int v = i >> 3, c = i & 7;
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int i = tid + NTHREADS * n, v = i >> 3, c = i & 7;
     cp_async16(&st.codes[v][c ^ ((v & 1) << 2)], codes + i);
   }
-#pragma unroll 1
-  for (int i = first; i < 3 * L * V / 8; i += stride) {      // ubuf, kbuf, gbuf: 256 chunks each
-    const int part = i >> 8, c = i & 255;
-    uint4* dst = part == 0 ? &st.ubuf[0][0] : part == 1 ? &st.kbuf[0][0] : &st.gbuf[0][0];
-    const void* src = part == 0 ? p.ubuf : part == 1 ? p.kbuf : p.gbuf;
-    cp_async16(dst + c, static_cast<const uint4*>(src) + win * (L * V / 8) + c);
-  }
-#pragma unroll 1
-  for (int i = first; i < 228; i += stride) {
-    if (i < 128) {                              // the 4 token rows of u (i < 64), then of q: 16 chunks a row
-      const int j = i & 63, row = j >> 4, c = j & 15;
-      const void* base = i < 64 ? p.u : p.q;
-      const uint4* src = at_bytes<uint4>(base, ck_offset<POOL>(rec.ck, 2 * R * K) + 2 * row * token_row<POOL>());
-      cp_async16((i < 64 ? &st.u[0][0] : &st.q[0][0]) + j, src + c);
-    } else {                                    // 32 chunks each of s_k, s_v, pcum, then the 4 of w
-      const int j = (i - 128) & 31;
-      auto chunk = [&](float* dst, const void* src) {
-        cp_async16(reinterpret_cast<uint4*>(dst) + j, static_cast<const uint4*>(src) + j);
-      };
-      if (i < 160) chunk(st.s_k, at_bytes<float>(p.s_k, ck_offset<POOL>(rec.ck, 4 * K)));
-      else if (i < 192) chunk(st.s_v, at_bytes<float>(p.s_v, ck_offset<POOL>(rec.ck, 4 * V)));
-      else if (i < 224) chunk(st.pcum, p.pcum + win * K);
-      else chunk(st.w, p.w + win * L);
-    }
+  cp_async16(&st.ubuf[0][0] + tid, static_cast<const uint4*>(p.ubuf) + win * (L * V / 8) + tid);
+  cp_async16(&st.kbuf[0][0] + tid, static_cast<const uint4*>(p.kbuf) + win * (L * K / 8) + tid);
+  cp_async16(&st.gbuf[0][0] + tid, static_cast<const uint4*>(p.gbuf) + win * (L * K / 8) + tid);
+  if (tid < 128) {                              // the 4 token rows of u (tid < 64), then of q: 16 chunks a row
+    const int i = tid & 63, row = i >> 4, c = i & 15;
+    const void* base = tid < 64 ? p.u : p.q;
+    const uint4* src = at_bytes<uint4>(base, ck_offset<POOL>(rec.ck, 2 * R * K) + 2 * row * token_row<POOL>());
+    cp_async16((tid < 64 ? &st.u[0][0] : &st.q[0][0]) + i, src + c);
+  } else {                                      // 32 chunks each of s_k, s_v, pcum, then the 4 of w
+    const int i = (tid - 128) & 31;
+    auto chunk = [&](float* dst, const void* src) {
+      cp_async16(reinterpret_cast<uint4*>(dst) + i, static_cast<const uint4*>(src) + i);
+    };
+    if (tid < 160) chunk(st.s_k, at_bytes<float>(p.s_k, ck_offset<POOL>(rec.ck, 4 * K)));
+    else if (tid < 192) chunk(st.s_v, at_bytes<float>(p.s_v, ck_offset<POOL>(rec.ck, 4 * V)));
+    else if (tid < 224) chunk(st.pcum, p.pcum + win * K);
+    else if (tid < 228) chunk(st.w, p.w + win * L);
   }
   cp_async_commit();
 }
@@ -363,14 +356,35 @@ __device__ __forceinline__ void stage_qv(uint16_t (*xs)[V + 8], const float (&a)
   }
 }
 
-// The staged program's factors, for its rebuild: A^T (ubuf, hi / lo of q), B (three bf16 splits of the window's and
-// the old tokens' rows) and cs, built by the threads first, first + stride, ... (256 items each part).
-__device__ __forceinline__ void build_factors(Smem& sm, int first, int stride) {
+// One program: wait for its staged inputs, flush it, and (after barrier #1, when the staging area is free) start the
+// copies of the next program's inputs; the deployment form also resets the program's window there.
+template <bool POOL>
+__device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Records rec, Records next,
+                                              bool has_next) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wr = warp >> 1, wc = warp & 1;
+  const int colbase = 64 * wc + 16 * t;            // this lane's 16 columns
+  // row of (mt, h): 32 wr + 16 mt + 8 h + g; ri = 2 mt + h
+  auto row_of = [&](int ri) { return 32 * wr + 16 * (ri >> 1) + 8 * (ri & 1) + g; };
+
+  cp_async_wait_all();
+  __syncthreads();                                                                                   // #0
+
+  // ---- 0. from the staging area: codes rows (16 B per row), s_v; A^T (ubuf, hi / lo of q) -----------------------
   const Stage& st = sm.st;
-  for (int item = first; item < 256; item += stride) {
-    const int j = item >> 4, c = item & 15;
+  uint4 cw[4];
+  float svr[4];
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const int v = row_of(ri);
+    cw[ri] = st.codes[v][(colbase >> 4) ^ ((v & 1) << 2)];
+    svr[ri] = st.s_v[v];
+  }
+  {
+    const int j = tid >> 4, c = tid & 15;
     s_a_chunk(sm, j, c) = st.ubuf[j][c];
-    if (item < 64) {
+    if (tid < 64) {
       const uint4 q8 = st.q[j][c];                       // q_j[8c .. 8c + 7]
       const uint32_t qw[4] = {q8.x, q8.y, q8.z, q8.w};
       uint32_t hi[4], lo[4];
@@ -391,11 +405,12 @@ __device__ __forceinline__ void build_factors(Smem& sm, int first, int stride) {
     }
   }
 
-  for (int item = first; item < 256; item += stride) {
+  // ---- 0b. B (three bf16 splits) into shared memory; cs ----------------------------------------------------------
+  {
     const uint16_t* kbuf = reinterpret_cast<const uint16_t*>(st.kbuf);
     const uint16_t* gbuf = reinterpret_cast<const uint16_t*>(st.gbuf);
     const uint16_t* u = reinterpret_cast<const uint16_t*>(st.u);
-    const int idx = item & 127, half = item >> 7;
+    const int idx = tid & 127, half = tid >> 7;
     // a permutation of the columns so that 8 consecutive lanes store to 8 distinct 16-byte bank groups
     const int k = (idx & 1) | (((idx >> 1) & 3) << 4) | (((idx >> 3) & 7) << 1) | ((idx >> 6) << 6);
     const int sw = (k >> 4) & 3;
@@ -444,58 +459,16 @@ __device__ __forceinline__ void build_factors(Smem& sm, int first, int stride) {
       sm.cs[k] = (st.s_k[k] * (1.0f / 127.0f)) * dec;
     }
   }
-}
-
-// The deployment form's window reset of a program whose staged copy is complete: w = 0, pcum = 0, gbuf = 1 (chunks
-// first, first + stride, ...).
-__device__ __forceinline__ void reset_window(const FlushParams& p, int win, int first, int stride) {
-  const size_t w0 = static_cast<size_t>(win);
-  const uint4 ones = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);   // fp16 1.0 pairs
-  const uint4 zeros = make_uint4(0, 0, 0, 0);
-  for (int i = first; i < L * K / 8; i += stride) static_cast<uint4*>(p.gbuf)[w0 * (L * K / 8) + i] = ones;
-  for (int i = first; i < 36; i += stride) {
-    if (i < 32) reinterpret_cast<uint4*>(p.pcum + w0 * K)[i] = zeros;
-    else reinterpret_cast<uint4*>(p.w + w0 * L)[i - 32] = zeros;
+  __syncthreads();                                                                                   // #1
+  if (has_next) prefetch_program<POOL>(p, sm.st, next);
+  if (POOL) {
+    // reset the window (its staged copy is complete): w = 0, pcum = 0, gbuf = 1
+    const size_t win = static_cast<size_t>(rec.win);
+    const uint4 ones = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);   // fp16 1.0 pairs
+    static_cast<uint4*>(p.gbuf)[win * (L * K / 8) + tid] = ones;
+    if (tid < 32) reinterpret_cast<uint4*>(p.pcum + win * K)[tid] = make_uint4(0, 0, 0, 0);
+    else if (tid < 36) reinterpret_cast<uint4*>(p.w + win * L)[tid - 32] = make_uint4(0, 0, 0, 0);
   }
-}
-
-// Warps 1-7 (224 threads) wait for their copies of a program's inputs and build its factors; the deployment form
-// also resets its window. The caller's next CTA barrier publishes the staging area and the factors to warp 0.
-template <bool POOL>
-__device__ __forceinline__ void build_staged(const FlushParams& p, Smem& sm, Records rec) {
-  cp_async_wait_all();
-  asm volatile("bar.sync 1, %0;\n" ::"n"(NTHREADS - 32) : "memory");
-  const int first = static_cast<int>(threadIdx.x) - 32;
-  build_factors(sm, first, NTHREADS - 32);
-  if (POOL) reset_window(p, rec.win, first, NTHREADS - 32);
-}
-
-// One program. On entry the staging area holds its codes and s_v, and sm its factors (A^T, B, cs), built while the
-// previous program was orthonormalising (or before the first). Warps 1-7 copy the next program's inputs once the
-// codes are in registers and build its factors while warp 0 runs the first orthonormalisation.
-template <bool POOL>
-__device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Records rec, Records next,
-                                              bool has_next) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int wr = warp >> 1, wc = warp & 1;
-  const int colbase = 64 * wc + 16 * t;            // this lane's 16 columns
-  // row of (mt, h): 32 wr + 16 mt + 8 h + g; ri = 2 mt + h
-  auto row_of = [&](int ri) { return 32 * wr + 16 * (ri >> 1) + 8 * (ri & 1) + g; };
-
-  // ---- 0. from the staging area: codes rows (16 B per row), s_v -------------------------------------------------
-  const Stage& st = sm.st;
-  uint4 cw[4];                                      // after barrier #0 the staging area is the next program's
-  float svr[4];
-#pragma unroll
-  for (int ri = 0; ri < 4; ++ri) {
-    const int v = row_of(ri);
-    cw[ri] = st.codes[v][(colbase >> 4) ^ ((v & 1) << 2)];
-    svr[ri] = st.s_v[v];
-  }
-  __syncthreads();                                                                                   // #0
-  // the staging area is free: warps 1-7 start the copies of the next program's inputs
-  if (has_next && warp != 0) prefetch_program<POOL>(p, sm.st, next, tid - 32, NTHREADS - 32);
 
   // ---- 1. rebuild S into the accumulators ----------------------------------------------------------------------
   float acc[2][8][4];
@@ -582,10 +555,8 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       redp[8 * nt] = pv[0];                          // red[wr][colbase + 2 nt + (g >> 2)][g & 3]
     }
   }
-  __syncthreads();                                                                                   // #1
-  if (warp != 0) {
-    if (has_next) build_staged<POOL>(p, sm, next);     // the rebuild is done with the factors: build the next's
-  } else {
+  __syncthreads();                                                                                   // #2
+  if (warp == 0) {
     float a[4][4];
     sum_partials<4>(sm.red, lane, a);                  // the 4 row-warps' column partials of S^T q0
     cgs2(a);
@@ -600,7 +571,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       *reinterpret_cast<uint4*>(&sm.zs[R + n][4 * lane]) = rest;
     }
   }
-  __syncthreads();                                                                                   // #2
+  __syncthreads();                                                                                   // #3
 
   // S qk on tf32 tensor cores (3xTF32: S and qk each as a tf32 part + the rest; the N = 8 of [part | rest] gives the
   // fourth product free). An m16n8 accumulator tile is an m16n8k8 tf32 A fragment as it stands once its columns
@@ -635,7 +606,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
         }
     }
   }
-  __syncthreads();                                                                                   // #3
+  __syncthreads();                                                                                   // #4
   if (warp == 0) {
     float a[4][4];
     sum_partials<2>(sm.red, lane, a);                  // the 2 column-warps' row partials of S qk
@@ -659,7 +630,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       *reinterpret_cast<uint2*>(q_new + r * token_row<POOL>() + 4 * lane) = rows;
     }
   }
-  __syncthreads();                                                                                   // #4
+  __syncthreads();                                                                                   // #5
 
   // u = S^T qv on bf16 tensor cores: S and qv as hi + lo pairs (S_lo qv_lo comes free with the N = 8 of
   // [qv_hi | qv_lo]); the checkpoint is insensitive to its precision (the same worst-head ratios as in fp32). A
@@ -702,7 +673,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       }
     }
   }
-  __syncthreads();                                                                                   // #5
+  __syncthreads();                                                                                   // #6
   {
     const int k = tid >> 1, jp = (tid & 1) * 2;
     float s0 = 0.0f, s1 = 0.0f;
@@ -717,7 +688,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     u_new[(jp + 1) * token_row<POOL>() + k] = h1;
     sm.un16[k][tid & 1] = half_pair(__hneg(h0), __hneg(h1));
   }
-  __syncthreads();                                                                                   // #6
+  __syncthreads();                                                                                   // #7
 
   // ---- 3. residual, scales, codes --------------------------------------------------------------------------------
   {
@@ -750,14 +721,14 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     rs_level<4>(cp, g & 1, 4);                         // lane keeps nt = g, e = 0, 1
     *reinterpret_cast<float2*>(sm.red + wr * 128 + colbase + 2 * g) = make_float2(cp[0], cp[1]);
   }
-  __syncthreads();                                                                                   // #7
+  __syncthreads();                                                                                   // #8
   if (tid < K) {
     const float s = (sm.red[tid] + sm.red[128 + tid]) + (sm.red[256 + tid] + sm.red[384 + tid]);
     const float sk = fmaxf(sqrtf(s / 128.0f), 1e-12f);
     reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_k_new) + ck_offset<POOL>(rec.ck, 4 * K))[tid] = sk;
     sm.isk[tid] = 1.0f / sk;
   }
-  __syncthreads();                                                                                   // #8
+  __syncthreads();                                                                                   // #9
   float isk[16];
   {
     // the lane's column base read afresh (a volatile read of %tid.x), so that the compiler does not keep the
@@ -787,7 +758,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       for (int ri = 0; ri < 4; ++ri) sm.red[512 + wc * 128 + row_of(ri)] = rm[ri];
     }
   }
-  __syncthreads();                                                                                   // #9
+  __syncthreads();                                                                                   // #10
   {
     int8_t* codes_new = p.codes_new + ck_offset<POOL>(rec.ck, V * K);
     float* s_v_new = reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_v_new) + ck_offset<POOL>(rec.ck, 4 * V));
@@ -827,12 +798,7 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
   auto load_q0 = [&] { if (tid < V) sm.q0s[tid] = __ldg(reinterpret_cast<const float4*>(p.q0) + tid); };
   if constexpr (!POOL) {
     load_q0();
-    if (tid >= 32) {
-      const Records first{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.x)};
-      prefetch_program<POOL>(p, sm.st, first, tid - 32, NTHREADS - 32);
-      build_staged<POOL>(p, sm, first);
-    }
-    __syncthreads();
+    prefetch_program<POOL>(p, sm.st, Records{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.x)});
     for (int prog = blockIdx.x; prog < p.n_programs; prog += stride) {
       const int next = prog + stride;
       flush_program<POOL>(p, sm, Records{prog, prog}, Records{next, next}, next < p.n_programs);
@@ -867,11 +833,7 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
     if (n_due == 0) continue;
     load_q0();                                         // only when there is work: none due stays two loads a thread
     auto due_records = [&](int i) { const int2 r = sm.due[i]; return Records{r.x, r.y}; };
-    if (tid >= 32) {
-      prefetch_program<POOL>(p, sm.st, due_records(0), tid - 32, NTHREADS - 32);
-      build_staged<POOL>(p, sm, due_records(0));
-    }
-    __syncthreads();
+    prefetch_program<POOL>(p, sm.st, due_records(0));
     // the count is re-read from shared memory each time rather than held (and spilled) over the flush
     for (int i = 0; i < sm.n_due; ++i) {
       const bool more = i + 1 < sm.n_due;
