@@ -264,54 +264,68 @@ __device__ __forceinline__ float lane_dot(const float (&x)[4][4], int p, const f
   return d;
 }
 
-__device__ __forceinline__ void normalise(float (&a)[4][4], int j, float n2, float& inv) {
-  inv = 1.0f / fmaxf(sqrtf(n2), 1e-30f);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) a[i][j] *= inv;
-}
-
 __device__ __forceinline__ void subtract(float (&a)[4][4], int j, int p, float coef) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) a[i][j] = fmaf(-a[i][p], coef, a[i][j]);
 }
 
-// Column J of CGS2 (columns < J final; r1[p] = c_p . a_J for the original a_J, known from the previous round):
-// subtract the first pass, one round for the second pass, one round for the norm together with the first-pass dots
-// of column J + 1 (c_J . a_{J+1} = (a_J . a_{J+1}) / n_J), which it leaves in r1_next.
+// Column J of the orthonormalisation (columns < J final; r[p] = c_p . a_J for p < J, from the previous round). One
+// round of warp sums holds the second-pass dots d_p = c_p . v of the first-pass vector v, its squared norm, and the
+// dots e = v . a_{J+1}, f_p = c_p . a_{J+1} that give column J + 1's first-pass coefficients once c_J is known:
+// c_J . a_{J+1} = (e - sum_p d_p f_p) / n_J. The norm after the second pass is ||v||^2 - sum_p d_p^2; where that
+// cancels (v almost in the span of c_0 .. c_{J-1}: rank-deficient heads) it is measured in a round of its own.
 template <int J>
-__device__ __forceinline__ void cgs2_column(float (&a)[4][4], const float (&r1)[R], float (&r1_next)[R]) {
+__device__ __forceinline__ void cgs2_column(float (&a)[4][4], float (&r)[R]) {
+  constexpr bool NEXT = J + 1 < R;
+  constexpr int N = 1 + J + (NEXT ? 1 + J : 0);     // ||v||^2, d_p, then e, f_p
+  constexpr int JN = NEXT ? J + 1 : J;
 #pragma unroll
-  for (int p = 0; p < J; ++p) subtract(a, J, p, r1[p]);
-  if (J > 0) {
-    float d[J > 0 ? J : 1];
+  for (int p = 0; p < J; ++p) subtract(a, J, p, r[p]);
+  float s[N];
+  s[0] = lane_dot(a, J, a, J);
 #pragma unroll
-    for (int p = 0; p < J; ++p) d[p] = lane_dot(a, p, a, J);
-    warp_sums(d);
+  for (int p = 0; p < J; ++p) s[1 + p] = lane_dot(a, p, a, J);
+  if (NEXT) {
+    s[1 + J] = lane_dot(a, J, a, JN);
 #pragma unroll
-    for (int p = 0; p < J; ++p) subtract(a, J, p, d[p]);
+    for (int p = 0; p < J; ++p) s[2 + J + p] = lane_dot(a, p, a, JN);
   }
-  constexpr int N = J + 1 < R ? J + 2 : 1;                // the norm, then c_0 .. c_J against a_{J+1}
-  float d[N];
-  d[0] = lane_dot(a, J, a, J);
+  warp_sums(s);
+  float nn = s[0];
 #pragma unroll
-  for (int p = 0; p + 1 < N; ++p) d[1 + p] = lane_dot(a, p, a, J + 1 < R ? J + 1 : J);
-  warp_sums(d);
-  float inv;
-  normalise(a, J, d[0], inv);
+  for (int p = 0; p < J; ++p) {
+    subtract(a, J, p, s[1 + p]);
+    nn = fmaf(-s[1 + p], s[1 + p], nn);
+  }
+  if (J > 0 && !(nn > 1e-4f * s[0])) {              // warp-uniform: every lane holds the same sums
+    float direct[1] = {lane_dot(a, J, a, J)};
+    warp_sums(direct);
+    nn = direct[0];
+  }
+  const float inv = fminf(rsqrtf(nn), 1e30f);         // 1 / max(||c_J||, 1e-30), the reference's clamp
 #pragma unroll
-  for (int p = 0; p + 1 < N; ++p) r1_next[p] = p == J ? d[1 + p] * inv : d[1 + p];
+  for (int i = 0; i < 4; ++i) a[i][J] *= inv;
+  if (NEXT) {
+    float e = s[1 + J];
+#pragma unroll
+    for (int p = 0; p < J; ++p) {
+      r[p] = s[2 + J + p];
+      e = fmaf(-s[1 + p], s[2 + J + p], e);
+    }
+    r[J] = e * inv;
+  }
 }
 
-// Orthonormalise the 4 columns of a [128, 4] matrix held by one warp (lane l holds rows 4 l + i in a[i][0..3]) by
+// Orthonormalise the 4 columns of a [128, 4] matrix held by one warp (lane l holds rows 4 l + i in a[i][0..3]):
 // classical Gram-Schmidt with one reorthogonalisation (CGS2: as accurate as the reference's MGS2, "twice is
 // enough"), the norm clamped at 1e-30 as in the reference. The warp reductions are the critical path (the other
-// 7 warps wait at a barrier), so the rounds are merged: 7 rounds of warp sums instead of MGS2's 16.
+// 7 warps wait at a barrier), so each column takes one round of warp sums: 4 rounds instead of MGS2's 16.
 __device__ __forceinline__ void cgs2(float (&a)[4][4]) {
-  float r1a[R], r1b[R];
-  cgs2_column<0>(a, r1a, r1b);
-  cgs2_column<1>(a, r1b, r1a);
-  cgs2_column<2>(a, r1a, r1b);
-  cgs2_column<3>(a, r1b, r1a);
+  float r[R];
+  cgs2_column<0>(a, r);
+  cgs2_column<1>(a, r);
+  cgs2_column<2>(a, r);
+  cgs2_column<3>(a, r);
 }
 
 // Warp 0's input to an orthonormalisation: rows 4 lane + i of the [128, 4] matrix, summed in order over the N
