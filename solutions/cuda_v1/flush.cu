@@ -762,11 +762,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     for (int ri = 0; ri < 4; ++ri) {
       float m = 0.0f;
 #pragma unroll
-      for (int b = 0; b < 16; ++b) {                 // E / s_k in place: the codes need the same products
-        float& e = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)];
-        e *= isk[b];
-        m = fmaxf(m, fabsf(e));
-      }
+      for (int b = 0; b < 16; ++b) m = fmaxf(m, fabsf(acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)]) * isk[b]);
       m = fmaxf(m, __shfl_xor_sync(FULL, m, 1));
       m = fmaxf(m, __shfl_xor_sync(FULL, m, 2));
       rm[ri] = m;
@@ -789,7 +785,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       uint32_t y[16];
 #pragma unroll
       for (int b = 0; b < 16; ++b) {
-        const float x = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)];
+        const float x = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)] * isk[b];
         y[b] = __float_as_uint(__fmaf_rn(x, step, 12582912.0f));   // round half to even; low byte = the code
       }
       uint4 o;
