@@ -9,10 +9,14 @@
       SOURCE_CSV: `ncu -i prof.ncu-rep --page source --csv --print-source sass`; CUBIN: the profiled kernel's own
       cubin (Triton: `~/.triton/cache/*/KERNEL.cubin`; CUDA: `cuobjdump -xelf all` of the extension, built with
       -lineinfo: cuda_v1 adds it under LEAPQUANT_CUDA_LINEINFO=1; of several kernels in a cubin, the one as long
-      as the profile is taken). Prints the warp-stall samples by reason and by source line (the line table of the cubin, read
-      with nvdisasm -g, maps each SASS instruction to its line; FILE names the source to quote, and code inlined
-      from other files counts to the line of FILE that called it), with the instructions each line executed and its
-      three main stall reasons.
+      as the profile is taken). Prints the warp-stall samples by reason, by stretch between CTA barriers and by
+      source line (the line table of the cubin, read with nvdisasm -g, maps each SASS instruction to its line; FILE
+      names the source to quote, and code inlined from other files counts to the line of FILE that called it), with
+      the instructions each line executed and its three main stall reasons.
+  python scripts/ncu_profile.py sass CUBIN [--top 12]
+      no GPU needed: per kernel of a cubin (e.g. `nvcc -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -I DIR
+      FILE.cu`), its static SASS instructions, CTA barriers and most frequent opcodes, to predict a change's effect
+      before timing it.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from harness import HarnessError  # noqa: E402
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,6}\*/\s+\S")
 BARRIER = re.compile(r"\s*(@!?U?P\w+\s+)?BAR\.(SYNC|RED|ARV)")
 SECTION = re.compile(r"\s*\.section\s+\.text\.(?P<name>[^,\s]+)")
+OPCODE = re.compile(r"\s+/\*[0-9a-f]{4,6}\*/\s+(@!?U?P\w+\s+)?(?P<op>[A-Z][A-Z0-9_]*)")
 LINE = re.compile(r'//## File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
@@ -62,18 +67,34 @@ def nvdisasm() -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
 
 
+def disassembly(cubin: str) -> list[tuple[str, str]]:
+    """(kernel, row) for each row of the cubin's disassembly with line information, by the code section it is in
+    ("" before the first)."""
+    done = subprocess.run([nvdisasm(), "-g", "-c", cubin], capture_output=True, text=True)
+    if done.returncode:
+        why = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ValueError(f"{cubin}: nvdisasm cannot read it ({why})")
+    rows, kernel = [], ""
+    text = done.stdout
+    for row in text.splitlines():
+        section = SECTION.match(row)
+        if section:
+            kernel = section["name"]
+        rows.append((kernel, row))
+    return rows
+
+
 def source_lines(cubin: str, source: str | None) -> dict[str, list[tuple[str, int] | None]]:
     """Per kernel of the cubin: (file, line) of each of its SASS instructions, in address order (None: no line
     information)."""
-    text = subprocess.run([nvdisasm(), "-g", "-c", cubin], capture_output=True, text=True, check=True).stdout
     kernels: dict[str, list[tuple[str, int] | None]] = {}
-    where, lines = None, kernels.setdefault("", [])
-    for row in text.splitlines():
+    where, current = None, None
+    for kernel, row in disassembly(cubin):
+        if kernel != current:
+            where, current = None, kernel
+        lines = kernels.setdefault(kernel, [])
         m = LINE.search(row)
-        f = SECTION.match(row)
-        if f:
-            where, lines = None, kernels.setdefault(f["name"], [])
-        elif m:
+        if m:
             # with a source file given, code inlined from elsewhere (a library's reduction) counts to the line of
             # that file it was called from
             if source is None or Path(m["file"]).name == Path(source).name:
@@ -81,6 +102,25 @@ def source_lines(cubin: str, source: str | None) -> dict[str, list[tuple[str, in
         elif INSTRUCTION.match(row):
             lines.append(where)
     return {k: v for k, v in kernels.items() if v}
+
+
+def sass(cubin: str, top: int) -> None:
+    """Static instruction counts per kernel of the cubin. What follows the last EXIT is out-of-line code (the slow
+    paths of IEEE division and square root, the fallback of shuffles in a warp the compiler cannot prove converged),
+    counted apart: it runs only when those cases arise."""
+    kernels: dict[str, list[str]] = defaultdict(list)
+    for kernel, row in disassembly(cubin):
+        m = OPCODE.match(row)
+        if m:
+            kernels[kernel].append(m["op"])
+    if not kernels:
+        raise ValueError(f"{cubin}: no SASS instructions in it")
+    for kernel, ops in kernels.items():
+        main = max((i + 1 for i, op in enumerate(ops) if op == "EXIT"), default=len(ops))
+        counts = Counter(ops[:main])
+        print(f"{kernel}: {main} instructions to the last EXIT ({len(ops) - main} out of line after it), "
+              f"{counts['BAR']} CTA barriers")
+        print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common(top)))
 
 
 def stalls(source_csv: str, cubin: str, source: str | None, top: int) -> None:
@@ -150,13 +190,18 @@ def main(argv=None) -> int:
     s.add_argument("cubin")
     s.add_argument("--source", help="the kernel's source file (quoted, and only its lines counted)")
     s.add_argument("--top", type=int, default=30)
+    c = sub.add_parser("sass", help="static instruction counts per kernel of a cubin (no GPU)")
+    c.add_argument("cubin")
+    c.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
     try:
         if args.command == "run":
             run_solution(args.solution, args.batch_size, args.family, args.calls)
+        elif args.command == "sass":
+            sass(args.cubin, args.top)
         else:
             stalls(args.source_csv, args.cubin, args.source, args.top)
-    except (HarnessError, OSError, ValueError, KeyError, subprocess.CalledProcessError) as e:
+    except (HarnessError, OSError, ValueError, KeyError) as e:
         print(f"error: {' '.join(str(e).split())[:300]}", file=sys.stderr)
         return 2
     return 0

@@ -2,6 +2,7 @@
 cubin's line table (two tiny kernels compiled here with -lineinfo stand in for profiled ones; a cubin may hold
 several kernels, and the profile picks its own by length)."""
 import csv
+import re
 import importlib.util
 import shutil
 import subprocess
@@ -19,6 +20,12 @@ KERNEL = """extern "C" __global__ void k(float* x) {
 }
 extern "C" __global__ void k2(float* x, int n) {
   for (int i = 0; i < n; ++i) x[threadIdx.x + 64 * i] = sqrtf(x[threadIdx.x + 64 * i]);
+}
+extern "C" __global__ void k3(float* x) {
+  __shared__ float s[64];
+  s[threadIdx.x] = x[threadIdx.x];
+  __syncthreads();
+  x[threadIdx.x] = s[63 - threadIdx.x];
 }
 """
 
@@ -51,7 +58,7 @@ def _source_page(path, lines, hot_line, barrier_at=None):
 
 def test_samples_land_on_their_source_line(cubin, capsys):
     kernels = ncu_profile.source_lines(str(cubin / "k.cubin"), str(cubin / "k.cu"))
-    assert set(kernels) == {"k", "k2"} and len(kernels["k"]) != len(kernels["k2"])
+    assert set(kernels) == {"k", "k2", "k3"} and len({len(v) for v in kernels.values()}) == 3
     lines = kernels["k"]
     assert {where[1] for where in lines if where} >= {2, 3}
     _source_page(cubin / "page.csv", lines, hot_line=3)
@@ -94,11 +101,24 @@ def test_a_profile_of_another_kernel_is_refused(cubin):
         ncu_profile.stalls(str(cubin / "short.csv"), str(cubin / "k.cubin"), None, top=3)
 
 
+def test_sass_counts_each_kernel_to_its_last_exit(cubin, capsys):
+    kernels = ncu_profile.source_lines(str(cubin / "k.cubin"), None)
+    ncu_profile.sass(str(cubin / "k.cubin"), top=3)
+    out = capsys.readouterr().out.splitlines()
+    heads = {line.split(":")[0]: line for line in out if not line.startswith("  ")}
+    assert set(heads) == {"k", "k2", "k3"}
+    for name, line in heads.items():
+        main, after = (int(x) for x in re.search(r"(\d+) instructions to the last EXIT \((\d+) out", line).groups())
+        assert main + after == len(kernels[name]) and main > 0
+    assert heads["k"].endswith(" 0 CTA barriers") and heads["k3"].endswith(" 1 CTA barriers")
+
+
 def test_bad_input_is_one_line(tmp_path, cubin, capsys):
     (tmp_path / "not_a_page.csv").write_text("a,b\n")
     assert ncu_profile.main(["stalls", str(tmp_path / "not_a_page.csv"), str(cubin / "k.cubin")]) == 2
     assert ncu_profile.main(["stalls", str(tmp_path / "missing.csv"), str(cubin / "k.cubin")]) == 2
     assert ncu_profile.main(["run", "--solution", "no_such_solution"]) == 2
+    assert ncu_profile.main(["sass", str(tmp_path / "not_a_page.csv")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+    assert len(err) == 4 and all(line.startswith("error: ") for line in err)
     assert "no 'Address' header row" in err[0] and "no such solution" in err[2]
