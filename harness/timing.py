@@ -113,14 +113,19 @@ def capture(call: Callable, stream) -> tuple:
     return graph, out
 
 
+def l2_flush_buffer(device) -> torch.Tensor:
+    """Scratch whose fill evicts the whole L2: twice its size, at least 128 MB."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return torch.empty(max(2 * l2, 1 << 27), dtype=torch.uint8, device=device)
+
+
 def time_replays(prepare: Callable, n_calls: int, stream, after: Callable | None = None) -> list[float]:
     """Latency (ms) of n_calls CUDA-graph replays, each between two CUDA events on `stream`, L2-cold. Before call k,
     outside the timed region: `prepare(k)` readies (refills, poisons) the inputs on `stream` and returns the graph
     to replay, then the L2 is flushed by a write twice its size; `after(k)`, if given, runs after the replay (e.g.
     to sample its outputs). Synchronises once at the end."""
     device = stream.device
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    scratch = torch.empty(max(2 * l2, 1 << 27), dtype=torch.uint8, device=device)
+    scratch = l2_flush_buffer(device)
     events = []
     with torch.cuda.stream(stream):
         for k in range(n_calls):

@@ -71,9 +71,7 @@ def marginal_in_graph_ms(call, stream, steps: int = GRAPH_STEPS) -> float:
     graph's median replay time less that of the same graph without the calls, over `steps`. A serving engine's
     decode step is such a graph, so this is the call's cost there, without a graph launch and two events of its
     own. Only for calls that leave their inputs as they were (none due): the steps repeat them unchanged."""
-    device = stream.device
-    scratch = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8,
-                          device=device)
+    scratch = timing.l2_flush_buffer(stream.device)
 
     def steps_of(with_call: bool):
         def body():
