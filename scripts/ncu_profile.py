@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import HarnessError  # noqa: E402
 
-INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,6}\*/\s+\S")
 BARRIER = re.compile(r"\s*(@!?U?P\w+\s+)?BAR\.(SYNC|RED|ARV)")
 SECTION = re.compile(r"\s*\.section\s+\.text\.(?P<name>[^,\s]+)")
 OPCODE = re.compile(r"\s+/\*[0-9a-f]{4,6}\*/\s+(@!?U?P\w+\s+)?(?P<op>[A-Z][A-Z0-9_]*)")
@@ -75,8 +74,7 @@ def disassembly(cubin: str) -> list[tuple[str, str]]:
         why = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise ValueError(f"{cubin}: nvdisasm cannot read it ({why})")
     rows, kernel = [], ""
-    text = done.stdout
-    for row in text.splitlines():
+    for row in done.stdout.splitlines():
         section = SECTION.match(row)
         if section:
             kernel = section["name"]
@@ -99,7 +97,7 @@ def source_lines(cubin: str, source: str | None) -> dict[str, list[tuple[str, in
             # that file it was called from
             if source is None or Path(m["file"]).name == Path(source).name:
                 where = (m["file"], int(m["line"]))
-        elif INSTRUCTION.match(row):
+        elif OPCODE.match(row):
             lines.append(where)
     return {k: v for k, v in kernels.items() if v}
 
