@@ -36,6 +36,22 @@ def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
     assert regs and max(regs) <= 128, report             # 2 CTAs of 256 threads per SM
 
 
+def test_timeline_tool_builds_with_the_kernel(tmp_path):
+    """scripts/cuda_v1_timeline.cu includes flush.cu with its STAMP hook defined: it must keep compiling, and the
+    stamps must not push the kernel into spills (the cycles it reports would then not be the kernel's)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found on PATH: the compile check needs the CUDA toolkit")
+    tool = FOLDER.parents[1] / "scripts" / "cuda_v1_timeline.cu"
+    cmd = [nvcc, "-c", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v,-warn-spills",
+           str(tool), "-o", str(tmp_path / "timeline.o")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    report = res.stdout + res.stderr
+    assert res.returncode == 0, report
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(a == "0" and b == "0" for a, b in spills), report
+
+
 def test_run_refuses_cpu_tensors_in_one_line():
     from harness.definition import find_definition
     from harness.solutions import load_entry, load_solution

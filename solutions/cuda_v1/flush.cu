@@ -32,6 +32,12 @@
 
 #include "flush.cuh"
 
+// Profiling hook: scripts/cuda_v1_timeline.cu defines STAMP(n) to record clock64() at a program's entry (n = 0) and
+// after its numbered barriers (n = barrier + 1), for the per-stage cycle counts in NOTES.md. Nothing otherwise.
+#ifndef STAMP
+#define STAMP(n)
+#endif
+
 namespace {
 
 constexpr int V = 128, K = 128, L = 16, R = 4;
@@ -58,7 +64,8 @@ struct __align__(16) Smem {
   float red[2048];         // reduction scratch (8 KB), reused by every stage
   float cs[K];             // s_k / 127 * exp(pcum)
   float isk[K];            // 1 / s_k_new
-  float4 q0s[V];           // q0 rows
+  float4 q0p[4][V];        // q0 rows, components permuted: q0p[m][v] holds q0[v][p ^ m] at p (the lanes of
+                           // S^T q0 with g & 3 = m read theirs, so that the reduce-scatter needs no selects)
   float zs[8][K + 4];      // qk as tf32 B operands of S qk: row n < 4 the tf32 part of qk_n, n >= 4 the rest
   uint16_t qvb[8][V + 8];  // qv as bf16 B operands of S^T qv: row n < 4 the hi of qv_n, n >= 4 the lo of qv_{n-4};
                            // rows padded so that the fragment loads are conflict-free
@@ -228,6 +235,19 @@ __device__ __forceinline__ void split3(float x, uint32_t& h, uint32_t& m, uint32
   l = bf16_bits(r - bf16_val(m));
 }
 
+// MUFU square root and reciprocal (about 1 ulp): enough for the scales, because the codes are computed with the very
+// values that are stored as s_k and s_v (the decoded state is what is judged, not the rounding of a scale)
+__device__ __forceinline__ float approx_sqrt(float x) {
+  float y;
+  asm("sqrt.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float approx_rcp(float x) {
+  float y;
+  asm("rcp.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // two halves as one 32-bit word, a in the low half
 __device__ __forceinline__ uint32_t half_pair(__half a, __half b) {
   return static_cast<uint32_t>(__half_as_ushort(a)) | (static_cast<uint32_t>(__half_as_ushort(b)) << 16);
@@ -382,8 +402,10 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   // row of (mt, h): 32 wr + 16 mt + 8 h + g; ri = 2 mt + h
   auto row_of = [&](int ri) { return 32 * wr + 16 * (ri >> 1) + 8 * (ri & 1) + g; };
 
+  STAMP(0);
   cp_async_wait_all();
   __syncthreads();                                                                                   // #0
+  STAMP(1);
 
   // ---- 0. from the staging area: codes rows (16 B per row), s_v; A^T (ubuf, hi / lo of q) -----------------------
   const Stage& st = sm.st;
@@ -474,6 +496,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
   }
   __syncthreads();                                                                                   // #1
+  STAMP(2);
   if (has_next) prefetch_program<POOL>(p, sm.st, next);
   if (POOL) {
     // reset the window (its staged copy is complete): w = 0, pcum = 0, gbuf = 1
@@ -541,14 +564,16 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   // S^T q0 in fp32 on CUDA cores: column partials over this lane's 4 rows, reduce-scattered over the 8 lanes g of a
   // column (lane keeps column colbase + 2 nt + (g >> 2), vector g & 3), into red[wr][k][j]. Its precision decides
   // qk, and through it the tokens: a bf16 hi + lo form of S here moved the worst-head ratio from 1.004 to 1.009.
+  // The lane's vectors come in the order j ^ (g & 3): the half it keeps at each of the last two levels is then its
+  // first half, and the partner's matching values sit in the partner's second half.
   {
-    float xr[4][4];
+    float xr[4][4];                                  // xr[ri][p]: q0 vector p ^ (g & 3) at row row_of(ri)
 #pragma unroll
     for (int ri = 0; ri < 4; ++ri) {
-      const float4 x4 = sm.q0s[row_of(ri)];
+      const float4 x4 = sm.q0p[g & 3][row_of(ri)];
       xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
     }
-    const bool u2 = (g >> 2) & 1, u1 = (g >> 1) & 1, u0 = g & 1;
+    const bool u2 = (g >> 2) & 1;
     float* redp = sm.red + wr * 512 + (colbase + (g >> 2)) * 4 + (g & 3);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -564,12 +589,14 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
           pv[4 * e + j] = s;
         }
       rs_level<8>(pv, u2, 16);
-      rs_level<4>(pv, u1, 8);
-      rs_level<2>(pv, u0, 4);
+      pv[0] += __shfl_xor_sync(FULL, pv[2], 8);      // lane ^ 8 has g & 3 one bit 1 apart: its p + 2 is our p
+      pv[1] += __shfl_xor_sync(FULL, pv[3], 8);
+      pv[0] += __shfl_xor_sync(FULL, pv[1], 4);      // lane ^ 4: bit 0 apart, its p = 1 is our p = 0
       redp[8 * nt] = pv[0];                          // red[wr][colbase + 2 nt + (g >> 2)][g & 3]
     }
   }
   __syncthreads();                                                                                   // #2
+  STAMP(3);
   if (warp == 0) {
     float a[4][4];
     sum_partials<4>(sm.red, lane, a);                  // the 4 row-warps' column partials of S^T q0
@@ -586,6 +613,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
   }
   __syncthreads();                                                                                   // #3
+  STAMP(4);
 
   // S qk on tf32 tensor cores (3xTF32: S and qk each as a tf32 part + the rest; the N = 8 of [part | rest] gives the
   // fourth product free). An m16n8 accumulator tile is an m16n8k8 tf32 A fragment as it stands once its columns
@@ -621,6 +649,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
   }
   __syncthreads();                                                                                   // #4
+  STAMP(5);
   if (warp == 0) {
     float a[4][4];
     sum_partials<2>(sm.red, lane, a);                  // the 2 column-warps' row partials of S qk
@@ -645,6 +674,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
   }
   __syncthreads();                                                                                   // #5
+  STAMP(6);
 
   // u = S^T qv on bf16 tensor cores: S and qv as hi + lo pairs (S_lo qv_lo comes free with the N = 8 of
   // [qv_hi | qv_lo]); the checkpoint is insensitive to its precision (the same worst-head ratios as in fp32). A
@@ -688,6 +718,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
   }
   __syncthreads();                                                                                   // #6
+  STAMP(7);
   {
     const int k = tid >> 1, jp = (tid & 1) * 2;
     float s0 = 0.0f, s1 = 0.0f;
@@ -703,6 +734,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     sm.un16[k][tid & 1] = half_pair(__hneg(h0), __hneg(h1));
   }
   __syncthreads();                                                                                   // #7
+  STAMP(8);
 
   // ---- 3. residual, scales, codes --------------------------------------------------------------------------------
   {
@@ -736,13 +768,15 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     *reinterpret_cast<float2*>(sm.red + wr * 128 + colbase + 2 * g) = make_float2(cp[0], cp[1]);
   }
   __syncthreads();                                                                                   // #8
+  STAMP(9);
   if (tid < K) {
     const float s = (sm.red[tid] + sm.red[128 + tid]) + (sm.red[256 + tid] + sm.red[384 + tid]);
-    const float sk = fmaxf(sqrtf(s / 128.0f), 1e-12f);
+    const float sk = fmaxf(approx_sqrt(s / 128.0f), 1e-12f);
     reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_k_new) + ck_offset<POOL>(rec.ck, 4 * K))[tid] = sk;
-    sm.isk[tid] = 1.0f / sk;
+    sm.isk[tid] = approx_rcp(sk);
   }
   __syncthreads();                                                                                   // #9
+  STAMP(10);
   float isk[16];
   {
     // the lane's column base read afresh (a volatile read of %tid.x), so that the compiler does not keep the
@@ -762,7 +796,11 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     for (int ri = 0; ri < 4; ++ri) {
       float m = 0.0f;
 #pragma unroll
-      for (int b = 0; b < 16; ++b) m = fmaxf(m, fabsf(acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)]) * isk[b]);
+      for (int b = 0; b < 16; ++b) {                 // E / s_k in place: the codes need the same products
+        float& e = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)];
+        e *= isk[b];
+        m = fmaxf(m, fabsf(e));
+      }
       m = fmaxf(m, __shfl_xor_sync(FULL, m, 1));
       m = fmaxf(m, __shfl_xor_sync(FULL, m, 2));
       rm[ri] = m;
@@ -773,6 +811,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
   }
   __syncthreads();                                                                                   // #10
+  STAMP(11);
   {
     int8_t* codes_new = p.codes_new + ck_offset<POOL>(rec.ck, V * K);
     float* s_v_new = reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_v_new) + ck_offset<POOL>(rec.ck, 4 * V));
@@ -785,7 +824,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       uint32_t y[16];
 #pragma unroll
       for (int b = 0; b < 16; ++b) {
-        const float x = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)] * isk[b];
+        const float x = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)];
         y[b] = __float_as_uint(__fmaf_rn(x, step, 12582912.0f));   // round half to even; low byte = the code
       }
       uint4 o;
@@ -809,7 +848,15 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x;
   const int stride = gridDim.x;
-  auto load_q0 = [&] { if (tid < V) sm.q0s[tid] = __ldg(reinterpret_cast<const float4*>(p.q0) + tid); };
+  auto load_q0 = [&] {
+    if (tid < V) {
+      const float4 x = __ldg(reinterpret_cast<const float4*>(p.q0) + tid);
+      sm.q0p[0][tid] = x;
+      sm.q0p[1][tid] = make_float4(x.y, x.x, x.w, x.z);
+      sm.q0p[2][tid] = make_float4(x.z, x.w, x.x, x.y);
+      sm.q0p[3][tid] = make_float4(x.w, x.z, x.y, x.x);
+    }
+  };
   if constexpr (!POOL) {
     load_q0();
     prefetch_program<POOL>(p, sm.st, Records{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.x)});
