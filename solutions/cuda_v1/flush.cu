@@ -41,16 +41,7 @@
 namespace {
 
 constexpr int V = 128, K = 128, L = 16, R = 4;
-// WARPS warps a CTA: WARPS / 2 row-warps (along v) x 2 column-warps (k halves). 16: one m-tile a warp, 32 state
-// registers a thread, 64 registers in all; 8: two m-tiles, 64 state registers, 128 in all (version 7, git tag
-// cuda_v1-v7-8warps). 2 CTAs per SM either way: the register file holds two states.
-constexpr int WARPS = 16;
-constexpr int NTHREADS = 32 * WARPS;
-constexpr int ROW_WARPS = WARPS / 2;
-constexpr int WARP_ROWS = V / ROW_WARPS;   // rows v of a warp
-constexpr int MT = WARP_ROWS / 16;         // its m-tiles; a lane holds 2 MT rows
-constexpr int STAGE_THREADS = 256;         // the threads that copy a program's inputs and build its factors
-constexpr int SV_PART = ROW_WARPS * 128;   // red: the s_v row maxima after the s_k column sums
+constexpr int NTHREADS = 256;
 constexpr unsigned FULL = 0xffffffffu;
 
 // One program's inputs, brought in by cp.async while the CTA computes the previous program.
@@ -70,7 +61,7 @@ struct __align__(16) Smem {
   uint4 bsm[3][K][4];      // B as bf16, per split: [k][chunk of 8 j], chunk swizzled by (k >> 4) & 3 (24 KB)
   uint4 asm_[24][V / 8];   // A^T as bf16: rows j < 16 ubuf_j, 16-19 hi(q_r), 20-23 lo(q_r); [j][chunk of 8 v],
                            // chunk swizzled by j & 7 so that ldmatrix's 8 rows hit 8 bank groups (6 KB)
-  float red[ROW_WARPS * 512];  // reduction scratch (8 or 16 KB), reused by every stage
+  float red[2048];         // reduction scratch (8 KB), reused by every stage
   float cs[K];             // s_k / 127 * exp(pcum)
   float isk[K];            // 1 / s_k_new
   float4 q0p[4][V];        // q0 rows, components permuted: q0p[m][v] holds q0[v][p ^ m] at p (the lanes of
@@ -134,12 +125,11 @@ __device__ __forceinline__ const T* at_bytes(const void* base, size_t offset) {
 template <bool POOL>
 __device__ __forceinline__ void prefetch_program(const FlushParams& p, Stage& st, Records rec) {
   const int tid = fresh_tid();
-  if (tid >= STAGE_THREADS) return;
   const size_t win = static_cast<size_t>(rec.win);
   const uint4* codes = at_bytes<uint4>(p.codes, ck_offset<POOL>(rec.ck, V * K));
 #pragma unroll
-  for (int n = 0; n < V * K / 16 / STAGE_THREADS; ++n) {
-    const int i = tid + STAGE_THREADS * n, v = i >> 3, c = i & 7;
+  for (int n = 0; n < 4; ++n) {
+    const int i = tid + NTHREADS * n, v = i >> 3, c = i & 7;
     cp_async16(&st.codes[v][c ^ ((v & 1) << 2)], codes + i);
   }
   cp_async16(&st.ubuf[0][0] + tid, static_cast<const uint4*>(p.ubuf) + win * (L * V / 8) + tid);
@@ -358,16 +348,6 @@ __device__ __forceinline__ void cgs2(float (&a)[4][4]) {
   cgs2_column<3>(a, r);
 }
 
-// x[0] + x[stride] + ... + x[(N - 1) stride] as a balanced tree (N a power of two)
-template <int N>
-__device__ __forceinline__ float tree_sum(const float* x, int stride) {
-  if constexpr (N == 1) {
-    return x[0];
-  } else {
-    return tree_sum<N / 2>(x, stride) + tree_sum<N / 2>(x + (N / 2) * stride, stride);
-  }
-}
-
 // Warp 0's input to an orthonormalisation: rows 4 lane + i of the [128, 4] matrix, summed in order over the N
 // per-warp partials that red holds as N consecutive [128] float4 blocks.
 template <int N>
@@ -419,8 +399,8 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   const int g = lane >> 2, t = lane & 3;
   const int wr = warp >> 1, wc = warp & 1;
   const int colbase = 64 * wc + 16 * t;            // this lane's 16 columns
-  // row of (mt, h): WARP_ROWS wr + 16 mt + 8 h + g; ri = 2 mt + h
-  auto row_of = [&](int ri) { return WARP_ROWS * wr + 16 * (ri >> 1) + 8 * (ri & 1) + g; };
+  // row of (mt, h): 32 wr + 16 mt + 8 h + g; ri = 2 mt + h
+  auto row_of = [&](int ri) { return 32 * wr + 16 * (ri >> 1) + 8 * (ri & 1) + g; };
 
   STAMP(0);
   cp_async_wait_all();
@@ -429,15 +409,15 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 
   // ---- 0. from the staging area: codes rows (16 B per row), s_v; A^T (ubuf, hi / lo of q) -----------------------
   const Stage& st = sm.st;
-  uint4 cw[2 * MT];
-  float svr[2 * MT];
+  uint4 cw[4];
+  float svr[4];
 #pragma unroll
-  for (int ri = 0; ri < 2 * MT; ++ri) {
+  for (int ri = 0; ri < 4; ++ri) {
     const int v = row_of(ri);
     cw[ri] = st.codes[v][(colbase >> 4) ^ ((v & 1) << 2)];
     svr[ri] = st.s_v[v];
   }
-  if (tid < STAGE_THREADS) {
+  {
     const int j = tid >> 4, c = tid & 15;
     s_a_chunk(sm, j, c) = st.ubuf[j][c];
     if (tid < 64) {
@@ -462,7 +442,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   }
 
   // ---- 0b. B (three bf16 splits) into shared memory; cs ----------------------------------------------------------
-  if (tid < STAGE_THREADS) {
+  {
     const uint16_t* kbuf = reinterpret_cast<const uint16_t*>(st.kbuf);
     const uint16_t* gbuf = reinterpret_cast<const uint16_t*>(st.gbuf);
     const uint16_t* u = reinterpret_cast<const uint16_t*>(st.u);
@@ -522,13 +502,13 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     // reset the window (its staged copy is complete): w = 0, pcum = 0, gbuf = 1
     const size_t win = static_cast<size_t>(rec.win);
     const uint4 ones = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);   // fp16 1.0 pairs
-    if (tid < L * K / 8) static_cast<uint4*>(p.gbuf)[win * (L * K / 8) + tid] = ones;
+    static_cast<uint4*>(p.gbuf)[win * (L * K / 8) + tid] = ones;
     if (tid < 32) reinterpret_cast<uint4*>(p.pcum + win * K)[tid] = make_uint4(0, 0, 0, 0);
     else if (tid < 36) reinterpret_cast<uint4*>(p.w + win * L)[tid - 32] = make_uint4(0, 0, 0, 0);
   }
 
   // ---- 1. rebuild S into the accumulators ----------------------------------------------------------------------
-  float acc[MT][8][4];
+  float acc[2][8][4];
   {
     float csr[16];
 #pragma unroll
@@ -537,7 +517,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       csr[4 * i] = c4.x; csr[4 * i + 1] = c4.y; csr[4 * i + 2] = c4.z; csr[4 * i + 3] = c4.w;
     }
 #pragma unroll
-    for (int ri = 0; ri < 2 * MT; ++ri) {
+    for (int ri = 0; ri < 4; ++ri) {
       const uint32_t x[4] = {cw[ri].x ^ 0x80808080u, cw[ri].y ^ 0x80808080u, cw[ri].z ^ 0x80808080u,
                              cw[ri].w ^ 0x80808080u};
 #pragma unroll
@@ -548,18 +528,18 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
   }
   {
-    // mt outer: only one m-tile's A fragments (6 registers) are live next to the accumulators; the B fragments
+    // mt outer: only one m-tile's A fragments (6 registers) are live next to the 64 accumulators; the B fragments
     // are read once per m-tile (registers, not shared-memory bandwidth, are the limit here)
     const uint32_t bbase = smem_u32(&sm.bsm[0][0][0]);
     const int ltid = fresh_tid();                     // recomputed here rather than kept (spilled) over the loop
     const int m = (ltid >> 3) & 3, r8 = ltid & 7;
     const int ksw = (r8 >> 1) & 3;                    // (k >> 4) & 3 of this lane's ldmatrix row
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    for (int mt = 0; mt < 2; ++mt) {
       // A fragments (rows v, columns j) from the transposed staging: matrix m of the x4 covers
       // (v + 8 (m & 1), j + 8 (m >> 1))
       uint32_t afr[6];
-      const int vc = (WARP_ROWS * wr + 16 * mt) / 8 + (m & 1);
+      const int vc = (32 * wr + 16 * mt) / 8 + (m & 1);
       ldsm_x4_trans(smem_u32(&s_a_chunk(sm, r8 + 8 * (m >> 1), vc)), reinterpret_cast<uint32_t(&)[4]>(afr[0]));
       ldsm_x2_trans(smem_u32(&s_a_chunk(sm, L + r8, vc)), afr[4], afr[5]);
 #pragma unroll
@@ -587,9 +567,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   // The lane's vectors come in the order j ^ (g & 3): the half it keeps at each of the last two levels is then its
   // first half, and the partner's matching values sit in the partner's second half.
   {
-    float xr[2 * MT][4];                             // xr[ri][p]: q0 vector p ^ (g & 3) at row row_of(ri)
+    float xr[4][4];                                  // xr[ri][p]: q0 vector p ^ (g & 3) at row row_of(ri)
 #pragma unroll
-    for (int ri = 0; ri < 2 * MT; ++ri) {
+    for (int ri = 0; ri < 4; ++ri) {
       const float4 x4 = sm.q0p[g & 3][row_of(ri)];
       xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
     }
@@ -603,8 +583,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           float s = acc[0][nt][e] * xr[0][j];
-#pragma unroll
-          for (int ri = 1; ri < 2 * MT; ++ri) s = fmaf(acc[ri >> 1][nt][2 * (ri & 1) + e], xr[ri][j], s);
+          s = fmaf(acc[0][nt][2 + e], xr[1][j], s);
+          s = fmaf(acc[1][nt][e], xr[2][j], s);
+          s = fmaf(acc[1][nt][2 + e], xr[3][j], s);
           pv[4 * e + j] = s;
         }
       rs_level<8>(pv, u2, 16);
@@ -618,7 +599,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   STAMP(3);
   if (warp == 0) {
     float a[4][4];
-    sum_partials<ROW_WARPS>(sm.red, lane, a);          // the row-warps' column partials of S^T q0
+    sum_partials<4>(sm.red, lane, a);                  // the 4 row-warps' column partials of S^T q0
     cgs2(a);
 #pragma unroll
     for (int n = 0; n < R; ++n) {
@@ -639,13 +620,13 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   // 2 t, 2 t + 1 are read as the A columns t, t + 4; B's rows follow the same order. The 2 column-warps are summed by
   // the consumer through red[wc][v][j].
   {
-    float d[MT][4] = {};
+    float d[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const float2 z = *reinterpret_cast<const float2*>(&sm.zs[g][colbase + 2 * nt]);   // k = colbase + 2 nt (+1)
       const uint32_t b0 = __float_as_uint(z.x), b1 = __float_as_uint(z.y);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
+      for (int mt = 0; mt < 2; ++mt) {
         const float* c = acc[mt][nt];
         mma_tf32_k8(d[mt], tf32_rest(c[0]), tf32_rest(c[2]), tf32_rest(c[1]), tf32_rest(c[3]), b0, b1);
         mma_tf32_k8(d[mt], tf32_part(c[0]), tf32_part(c[2]), tf32_part(c[1]), tf32_part(c[3]), b0, b1);
@@ -653,15 +634,15 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
     // columns n = 2 t, 2 t + 1: the qk part of qk_n for t < 2, the rest of qk_{n-4} for t >= 2
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) d[mt][i] += __shfl_xor_sync(FULL, d[mt][i], 2);
     if (t < 2) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int v = WARP_ROWS * wr + 16 * mt + 8 * h + g;
+          const int v = 32 * wr + 16 * mt + 8 * h + g;
           *reinterpret_cast<float2*>(sm.red + (wc * 128 + v) * 4 + 2 * t) =
               make_float2(d[mt][2 * h], d[mt][2 * h + 1]);
         }
@@ -698,12 +679,12 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   // u = S^T qv on bf16 tensor cores: S and qv as hi + lo pairs (S_lo qv_lo comes free with the N = 8 of
   // [qv_hi | qv_lo]); the checkpoint is insensitive to its precision (the same worst-head ratios as in fp32). A
   // 16 x 8 accumulator tile transposed by two movmatrix is half an A fragment of S^T (rows k, columns v); the warp's
-  // rows v are summed over its m-tiles, the row-warps by the consumer through red[wr][k][j].
+  // 32 rows v are summed over its two m-tiles, the 4 row-warps by the consumer through red[wr][k][j].
   {
-    uint32_t bx[MT][2];                              // B[v][n]: v = 16 mt + 2 t (+1, +8, +9) of the warp's rows
+    uint32_t bx[2][2];                               // B[v][n]: v = 16 mt + 2 t (+1, +8, +9) of the warp's rows
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const uint16_t* xr = &sm.qvb[g][WARP_ROWS * wr + 16 * mt + 2 * t];
+    for (int mt = 0; mt < 2; ++mt) {
+      const uint16_t* xr = &sm.qvb[g][32 * wr + 16 * mt + 2 * t];
       bx[mt][0] = *reinterpret_cast<const uint32_t*>(xr);
       bx[mt][1] = *reinterpret_cast<const uint32_t*>(xr + 8);
     }
@@ -711,7 +692,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     for (int np = 0; np < 4; ++np) {                 // A rows 0-7: the columns of n-tile 2 np, rows 8-15: 2 np + 1
       float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
+      for (int mt = 0; mt < 2; ++mt) {
         uint32_t ahi[4], alo[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {                // i: (n-tile 2 np + (i & 1), accumulator rows 8 (i >> 1) + g)
@@ -738,11 +719,11 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   }
   __syncthreads();                                                                                   // #6
   STAMP(7);
-  if (tid < STAGE_THREADS) {
+  {
     const int k = tid >> 1, jp = (tid & 1) * 2;
     float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
-    for (int r = 0; r < ROW_WARPS; ++r) {
+    for (int r = 0; r < 4; ++r) {
       const float2 o = *reinterpret_cast<const float2*>(sm.red + r * 512 + k * 4 + jp);
       s0 += o.x; s1 += o.y;
     }
@@ -757,10 +738,10 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 
   // ---- 3. residual, scales, codes --------------------------------------------------------------------------------
   {
-    uint32_t qa[MT][2];
+    uint32_t qa[2][2];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int v0 = WARP_ROWS * wr + 16 * mt + g;
+    for (int mt = 0; mt < 2; ++mt) {
+      const int v0 = 32 * wr + 16 * mt + g;
       qa[mt][0] = t < 2 ? sm.qn16[v0][t & 1] : 0u;
       qa[mt][1] = t < 2 ? sm.qn16[v0 + 8][t & 1] : 0u;
     }
@@ -769,7 +750,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       const int k = 64 * wc + 16 * (g >> 1) + 2 * nt + (g & 1);
       const uint32_t b = t < 2 ? sm.un16[k][t & 1] : 0u;
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) mma_f16_k8(acc[mt][nt], qa[mt][0], qa[mt][1], b);
+      for (int mt = 0; mt < 2; ++mt) mma_f16_k8(acc[mt][nt], qa[mt][0], qa[mt][1], b);
     }
   }
   // s_k: column sums of |E|
@@ -778,12 +759,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float x = fabsf(acc[0][nt][e]) + fabsf(acc[0][nt][2 + e]);
-#pragma unroll
-        for (int mt = 1; mt < MT; ++mt) x += fabsf(acc[mt][nt][e]) + fabsf(acc[mt][nt][2 + e]);
-        cp[2 * nt + e] = x;
-      }
+      for (int e = 0; e < 2; ++e)
+        cp[2 * nt + e] = (fabsf(acc[0][nt][e]) + fabsf(acc[0][nt][2 + e])) +
+                         (fabsf(acc[1][nt][e]) + fabsf(acc[1][nt][2 + e]));
     rs_level<16>(cp, (g >> 2) & 1, 16);
     rs_level<8>(cp, (g >> 1) & 1, 8);
     rs_level<4>(cp, g & 1, 4);                         // lane keeps nt = g, e = 0, 1
@@ -792,7 +770,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   __syncthreads();                                                                                   // #8
   STAMP(9);
   if (tid < K) {
-    const float s = tree_sum<ROW_WARPS>(sm.red + tid, 128);   // the row-warps' partials
+    const float s = (sm.red[tid] + sm.red[128 + tid]) + (sm.red[256 + tid] + sm.red[384 + tid]);
     const float sk = fmaxf(approx_sqrt(s / 128.0f), 1e-12f);
     reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_k_new) + ck_offset<POOL>(rec.ck, 4 * K))[tid] = sk;
     sm.isk[tid] = approx_rcp(sk);
@@ -813,9 +791,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   }
   // s_v: row max of |E| / s_k
   {
-    float rm[2 * MT];
+    float rm[4];
 #pragma unroll
-    for (int ri = 0; ri < 2 * MT; ++ri) {
+    for (int ri = 0; ri < 4; ++ri) {
       float m = 0.0f;
 #pragma unroll
       for (int b = 0; b < 16; ++b) {                 // E / s_k in place: the codes need the same products
@@ -829,7 +807,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
     if (t == 0) {
 #pragma unroll
-      for (int ri = 0; ri < 2 * MT; ++ri) sm.red[SV_PART + wc * 128 + row_of(ri)] = rm[ri];
+      for (int ri = 0; ri < 4; ++ri) sm.red[512 + wc * 128 + row_of(ri)] = rm[ri];
     }
   }
   __syncthreads();                                                                                   // #10
@@ -838,9 +816,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     int8_t* codes_new = p.codes_new + ck_offset<POOL>(rec.ck, V * K);
     float* s_v_new = reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_v_new) + ck_offset<POOL>(rec.ck, 4 * V));
 #pragma unroll
-    for (int ri = 0; ri < 2 * MT; ++ri) {
+    for (int ri = 0; ri < 4; ++ri) {
       const int v = row_of(ri);
-      const float sv = fmaxf(fmaxf(sm.red[SV_PART + v], sm.red[SV_PART + 128 + v]), 1e-12f);
+      const float sv = fmaxf(fmaxf(sm.red[512 + v], sm.red[640 + v]), 1e-12f);
       if (wc == 0 && t == 0) s_v_new[v] = sv;
       const float step = 127.0f / sv;
       uint32_t y[16];
@@ -861,7 +839,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 
 // Persistent CTAs, 2 per SM: each flushes its share of the programs one after the other; the next program's inputs
 // are copied into the staging area while the current one computes, so only the first waits for HBM.
-// Dense form: programs blockIdx.x, + gridDim.x, ... Deployment form: the same candidates, NTHREADS at a time, are checked
+// Dense form: programs blockIdx.x, + gridDim.x, ... Deployment form: the same candidates, 256 at a time, are checked
 // by all threads at once (slot in range, window full) and the due ones flushed in order; a call with none due costs
 // each CTA one round of two dependent loads.
 template <bool POOL>
