@@ -222,17 +222,15 @@ __device__ __forceinline__ void split2_pair(float a, float b, uint32_t& hi, uint
   lo = reinterpret_cast<const uint32_t&>(l);
 }
 
-__device__ __forceinline__ uint32_t bf16_bits(float x) {   // round to nearest even
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(x)));
-}
 __device__ __forceinline__ float bf16_val(uint32_t bits) { return __uint_as_float(bits << 16); }
 
-// x = hi + mid + lo, each a bf16 (24 significant bits in all: the fp32 value up to its last bit or so)
-__device__ __forceinline__ void split3(float x, uint32_t& h, uint32_t& m, uint32_t& l) {
-  h = bf16_bits(x);
-  const float r = x - bf16_val(h);
-  m = bf16_bits(r);
-  l = bf16_bits(r - bf16_val(m));
+// (a, b) = hi + mid + lo, each a bf16 pair (a in the low half; 24 significant bits in all: the fp32 values up to
+// their last bit or so). One cvt.rn.bf16x2 rounds both halves of a part.
+__device__ __forceinline__ void split3_pair(float a, float b, uint32_t& h, uint32_t& m, uint32_t& l) {
+  uint32_t rest;
+  split2_pair(a, b, h, rest);
+  const float ra = a - __uint_as_float(h << 16), rb = b - __uint_as_float(h & 0xffff0000u);
+  split2_pair(ra, rb, m, l);
 }
 
 // MUFU square root and reciprocal (about 1 ulp): enough for the scales, because the codes are computed with the very
@@ -423,19 +421,10 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     if (tid < 64) {
       const uint4 q8 = st.q[j][c];                       // q_j[8c .. 8c + 7]
       const uint32_t qw[4] = {q8.x, q8.y, q8.z, q8.w};
-      uint32_t hi[4], lo[4];
+      uint32_t hi[4], lo[4];                           // an fp16 value is exactly hi + lo
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint32_t h[2], l[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float x = h2f(static_cast<uint16_t>(qw[i] >> (16 * e)));
-          h[e] = bf16_bits(x);
-          l[e] = bf16_bits(x - bf16_val(h[e]));       // an fp16 value is exactly hi + lo
-        }
-        hi[i] = h[0] | h[1] << 16;
-        lo[i] = l[0] | l[1] << 16;
-      }
+      for (int i = 0; i < 4; ++i)
+        split2_pair(h2f(static_cast<uint16_t>(qw[i])), h2f(static_cast<uint16_t>(qw[i] >> 16)), hi[i], lo[i]);
       s_a_chunk(sm, L + j, c) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
       s_a_chunk(sm, L + R + j, c) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
@@ -468,12 +457,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
         val[1 - e] = st.w[j] * (kv * D);
         D *= h2f(gbuf[j * K + k]);
       }
-      uint32_t h0, m0, l0, h1, m1, l1;
-      split3(val[0], h0, m0, l0);
-      split3(val[1], h1, m1, l1);
-      hw[3 - pp] = h0 | h1 << 16;
-      mw[3 - pp] = m0 | m1 << 16;
-      lw[3 - pp] = l0 | l1 << 16;
+      split3_pair(val[0], val[1], hw[3 - pp], mw[3 - pp], lw[3 - pp]);
     }
     const int chunk = half ^ sw;                       // logical chunk = half (j >> 3)
     sm.bsm[0][k][chunk] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
@@ -481,16 +465,14 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     sm.bsm[2][k][chunk] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
     if (half == 1) {
       // j 16..23: u_r exp(pcum) twice (against the hi and the lo of q)
-      uint32_t uh[4], um[4], ul[4];
+      uint32_t uh[2], um[2], ul[2];                  // pairs (r 0, 1) and (r 2, 3)
 #pragma unroll
-      for (int r = 0; r < R; ++r) split3(h2f(u[r * K + k]) * dec, uh[r], um[r], ul[r]);
+      for (int r = 0; r < R; r += 2)
+        split3_pair(h2f(u[r * K + k]) * dec, h2f(u[(r + 1) * K + k]) * dec, uh[r / 2], um[r / 2], ul[r / 2]);
       const int c2 = 2 ^ sw;
-      auto twice = [](const uint32_t (&x)[4]) {
-        return make_uint4(x[0] | x[1] << 16, x[2] | x[3] << 16, x[0] | x[1] << 16, x[2] | x[3] << 16);
-      };
-      sm.bsm[0][k][c2] = twice(uh);
-      sm.bsm[1][k][c2] = twice(um);
-      sm.bsm[2][k][c2] = twice(ul);
+      sm.bsm[0][k][c2] = make_uint4(uh[0], uh[1], uh[0], uh[1]);
+      sm.bsm[1][k][c2] = make_uint4(um[0], um[1], um[0], um[1]);
+      sm.bsm[2][k][c2] = make_uint4(ul[0], ul[1], ul[0], ul[1]);
     } else {
       sm.cs[k] = (st.s_k[k] * (1.0f / 127.0f)) * dec;
     }
