@@ -16,13 +16,11 @@
 //       j 16-19: A = bf16 hi of q_{j-16} (fp16 = hi + lo exactly)   B = u_{j-16}[k] exp(pcum[k])
 //       j 20-23: A = bf16 lo of q_{j-20}                            B = u_{j-20}[k] exp(pcum[k])
 //     B is fp32 and goes in as a three-way bf16 split (hi + mid + lo = 24 bits; 2-way failed the hot-row heads).
-//  2. Subspace iteration. S^T q0 needs only the staged inputs, so it comes first, in the factored form
-//     S^T q0 = cs * codes^T (s_v q0) + B^T (A^T q0): codes^T (s_v q0) exactly on int8 tensor cores (m16n8k32, the
-//     codes as they are, s_v q0 as four int8 pieces of 7 bits under one power-of-two scale per vector: 27 bits of
-//     its largest entry), the rank-24 part in fp32 inside the B build. Warp 0 runs CGS2 on it (as accurate as the
-//     reference's MGS2; norm clamp 1e-30) while the other warps rebuild S. Then from the registers: S qk on tf32
-//     tensor cores (3xTF32, the accumulator tiles are A fragments as they stand); CGS2; S^T qv on bf16 tensor cores
-//     (hi + lo pairs, the tiles transposed by movmatrix). u_new, q_new rounded to fp16.
+//  2. Subspace iteration from the registers: S^T q0 in fp32 on CUDA cores (column partials reduced across the 8
+//     lanes of a column by a shuffle reduce-scatter, then across the 4 row-warps in shared memory); CGS2 in warp 0
+//     (as accurate as the reference's MGS2; norm clamp 1e-30); S qk on tf32 tensor cores (3xTF32, the accumulator
+//     tiles are A fragments as they stand); CGS2; S^T qv on bf16 tensor cores (hi + lo pairs, the tiles transposed
+//     by movmatrix). u_new, q_new rounded to fp16.
 //  3. Residual E = S - q_new^T u_new by one fp16 m16n8k8 mma per tile (exact fp16 products onto the fp32 state),
 //     s_k = sqrt(mean_v |E|), s_v = max_k |E| / s_k (clamped 1e-12), codes = round-half-even(E / (s_k s_v) * 127)
 //     by the 1.5 * 2^23 magic add in one FFMA (|value| <= 127 by construction, see NOTES.md), packed 16 bytes per
@@ -46,17 +44,10 @@ constexpr int V = 128, K = 128, L = 16, R = 4;
 constexpr int NTHREADS = 256;
 constexpr unsigned FULL = 0xffffffffu;
 
-constexpr int PST_ROW = K + 8;   // floats a row of the S^T q0 partials; the padding makes their stores conflict-free
-
-// The 16-byte chunk of the staged codes that holds chunk c (bytes 16 c ..) of row v. The swizzle by v & 1 keeps the
-// rebuild's row reads conflict-free (a quarter-warp reads rows g, g + 1), the one by (v >> 2) & 3 the column reads
-// of codes^T x (a quarter-warp reads rows 4 t + i).
-__host__ __device__ constexpr int codes_chunk(int v, int c) { return c ^ ((v & 1) << 2) ^ (((v >> 2) & 3) << 1); }
-
-using CodesTile = uint4[V][K / 16];   // row v, chunk c at codes_chunk(v, c) (16 KB)
-
-// One program's inputs but its codes, brought in by cp.async while the CTA computes the previous program.
+// One program's inputs, brought in by cp.async while the CTA computes the previous program.
 struct __align__(16) Stage {
+  uint4 codes[V][K / 16];  // row v, 16-byte chunk c stored at c ^ 4 (v & 1): a quarter-warp's 8 row reads are
+                           // conflict-free (16 KB)
   uint4 ubuf[L][V / 8];
   uint4 kbuf[L][K / 8];
   uint4 gbuf[L][K / 8];
@@ -66,30 +57,21 @@ struct __align__(16) Stage {
 };
 
 struct __align__(16) Smem {
-  CodesTile codes[2];      // the current program's codes in codes[buf]: the next program's arrive while these are read
-  Stage st;                // 15,936 B
+  Stage st;                // 32,320 B
   uint4 bsm[3][K][4];      // B as bf16, per split: [k][chunk of 8 j], chunk swizzled by (k >> 4) & 3 (24 KB)
   uint4 asm_[24][V / 8];   // A^T as bf16: rows j < 16 ubuf_j, 16-19 hi(q_r), 20-23 lo(q_r); [j][chunk of 8 v],
                            // chunk swizzled by j & 7 so that ldmatrix's 8 rows hit 8 bank groups (6 KB)
-  float red[4 * R * PST_ROW];  // reduction scratch (8.5 KB), reused by every stage; first the S^T q0 partials
-                               // (pst_row)
+  float red[2048];         // reduction scratch (8 KB), reused by every stage
   float cs[K];             // s_k / 127 * exp(pcum)
   float isk[K];            // 1 / s_k_new
-  float4 q0s[V];           // q0 rows
-  float4 q0t[R][V / 4];    // q0 columns
-  uint32_t yq[4 * R][V / 4 + 4];   // s_v q0 as int8 pieces, the B operand of codes^T (s_v q0): row 8 (p >> 1) +
-                                   // 2 n + (p & 1) holds piece p of vector n over v (4 a word); rows padded so that
-                                   // the fragment loads are conflict-free
-  float ysc[R];            // the pieces' scale per vector
-  float4 atq0[L + R];      // A^T q0: rows j < 16 ubuf_j . q0_n, 16 + r q_r . q0_n
+  float4 q0p[4][V];        // q0 rows, components permuted: q0p[m][v] holds q0[v][p ^ m] at p (the lanes of
+                           // S^T q0 with g & 3 = m read theirs, so that the reduce-scatter needs no selects)
   float zs[8][K + 4];      // qk as tf32 B operands of S qk: row n < 4 the tf32 part of qk_n, n >= 4 the rest
   uint16_t qvb[8][V + 8];  // qv as bf16 B operands of S^T qv: row n < 4 the hi of qv_n, n >= 4 the lo of qv_{n-4};
                            // rows padded so that the fragment loads are conflict-free
   int2 due[NTHREADS];      // deployment form: this round's due programs (Records)
   int due_in_warp[NTHREADS / 32];
   int n_due;
-  int buf;                 // which codes tile holds the current program's codes (read afresh after each barrier
-                           // rather than kept in a register)
   uint32_t qn16[V][2];     // q_new^T as fp16 pairs (r 0,1 | r 2,3)
   uint32_t un16[K][2];     // -u_new^T as fp16 pairs
 };
@@ -113,14 +95,6 @@ __device__ __forceinline__ int fresh_tid() {
   uint32_t tx;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
   return static_cast<int>(tx);
-}
-
-// the lanes below this one, read from %lanemask_lt where it is used (a mask computed once is kept, and spilled,
-// over the deployment form's loops)
-__device__ __forceinline__ unsigned lanemask_lt() {
-  unsigned m;
-  asm volatile("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
 }
 
 // Where a program's checkpoint and window live: `ck` indexes the checkpoint records (dense: the program; deployment
@@ -147,24 +121,17 @@ __device__ __forceinline__ const T* at_bytes(const void* base, size_t offset) {
   return reinterpret_cast<const T*>(static_cast<const char*>(base) + offset);
 }
 
-// Issue the copies of a program's codes into a codes tile (4 16-byte copies per thread).
+// Issue the copies of a program's inputs into the staging area (7 or 8 16-byte copies per thread).
 template <bool POOL>
-__device__ __forceinline__ void prefetch_codes(const FlushParams& p, CodesTile& dst, Records rec) {
+__device__ __forceinline__ void prefetch_program(const FlushParams& p, Stage& st, Records rec) {
   const int tid = fresh_tid();
+  const size_t win = static_cast<size_t>(rec.win);
   const uint4* codes = at_bytes<uint4>(p.codes, ck_offset<POOL>(rec.ck, V * K));
 #pragma unroll
   for (int n = 0; n < 4; ++n) {
     const int i = tid + NTHREADS * n, v = i >> 3, c = i & 7;
-    cp_async16(&dst[v][codes_chunk(v, c)], codes + i);
+    cp_async16(&st.codes[v][c ^ ((v & 1) << 2)], codes + i);
   }
-  cp_async_commit();
-}
-
-// Issue the copies of a program's other inputs into the staging area (3 or 4 16-byte copies per thread).
-template <bool POOL>
-__device__ __forceinline__ void prefetch_rest(const FlushParams& p, Stage& st, Records rec) {
-  const int tid = fresh_tid();
-  const size_t win = static_cast<size_t>(rec.win);
   cp_async16(&st.ubuf[0][0] + tid, static_cast<const uint4*>(p.ubuf) + win * (L * V / 8) + tid);
   cp_async16(&st.kbuf[0][0] + tid, static_cast<const uint4*>(p.kbuf) + win * (L * K / 8) + tid);
   cp_async16(&st.gbuf[0][0] + tid, static_cast<const uint4*>(p.gbuf) + win * (L * K / 8) + tid);
@@ -191,10 +158,6 @@ __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr)
                : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x1(uint32_t addr, uint32_t& r) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r) : "r"(addr) : "memory");
 }
 
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
@@ -235,13 +198,6 @@ __device__ __forceinline__ void mma_tf32_k8(float (&c)[4], uint32_t a0, uint32_t
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_s8_k32(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                           uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
@@ -420,49 +376,6 @@ __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint3
   return __byte_perm(ab, cd, 0x5410u);
 }
 
-// w[j] <- byte j of w[0], w[1], w[2], w[3] (in that order): a 4 x 4 byte transpose
-__device__ __forceinline__ void transpose_bytes(uint32_t (&w)[4]) {
-  const uint32_t x0 = __byte_perm(w[0], w[1], 0x5140u), x1 = __byte_perm(w[0], w[1], 0x7362u);
-  const uint32_t y0 = __byte_perm(w[2], w[3], 0x5140u), y1 = __byte_perm(w[2], w[3], 0x7362u);
-  w[0] = __byte_perm(x0, y0, 0x5410u);
-  w[1] = __byte_perm(x0, y0, 0x7632u);
-  w[2] = __byte_perm(x1, y1, 0x5410u);
-  w[3] = __byte_perm(x1, y1, 0x7632u);
-}
-
-// Row (src, n) of the S^T q0 partials in red: src 0, 1 the codes part over v in [0, 64) / [64, 128) (before the
-// factor cs), src 2, 3 the rank-24 part over the window's j in [0, 8) / [8, 16) (the tokens with the second).
-__device__ __forceinline__ float* pst_row(Smem& sm, int src, int n) { return sm.red + (src * R + n) * PST_ROW; }
-
-// Warp n: y = s_v * q0_n (lane: rows 4 lane + i) as four int8 pieces under one power-of-two scale,
-// y = ysc (p0 + p1 / 128 + p2 / 128^2 + p3 / 128^3) with |p| <= 64, to 2^-28 of 64 ysc > max |y|; the pieces go into
-// the B-operand rows of codes^T (s_v q0). Every step is exact but the last piece's rounding.
-__device__ __forceinline__ void stage_pieces(Smem& sm, int n, int lane) {
-  const float4 sv = reinterpret_cast<const float4*>(sm.st.s_v)[lane];
-  const float4 x = sm.q0t[n][lane];
-  float r[4] = {sv.x * x.x, sv.y * x.y, sv.z * x.z, sv.w * x.w};
-  float m = fmaxf(fmaxf(fabsf(r[0]), fabsf(r[1])), fmaxf(fabsf(r[2]), fabsf(r[3])));
-#pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
-  // m < 2^e with e = the biased exponent of m - 126; m >= 2^-100 keeps 64 / 2^e finite for an all-zero vector
-  const int e = static_cast<int>((__float_as_uint(fmaxf(m, 7.8886091e-31f)) >> 23) & 0xffu) - 126;
-  const float scale = __uint_as_float(static_cast<uint32_t>(127 + 6 - e) << 23);        // 64 / 2^e
-  if (lane == 0) sm.ysc[n] = __uint_as_float(static_cast<uint32_t>(127 - 6 + e) << 23);  // 2^e / 64
-#pragma unroll
-  for (int i = 0; i < 4; ++i) r[i] *= scale;                                           // |r| < 64
-#pragma unroll
-  for (int pc = 0; pc < 4; ++pc) {
-    uint32_t y[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float t = r[i] + 12582912.0f;            // round half to even; low byte = the piece
-      y[i] = __float_as_uint(t);
-      r[i] = (r[i] - (t - 12582912.0f)) * 128.0f;    // |r| <= 64 again
-    }
-    sm.yq[8 * (pc >> 1) + 2 * n + (pc & 1)][lane] = pack_low_bytes(y[0], y[1], y[2], y[3]);
-  }
-}
-
 // qv (rows 4 lane + i held by one warp in a[i][n]) into the bf16 B-operand rows of S^T qv.
 __device__ __forceinline__ void stage_qv(uint16_t (*xs)[V + 8], const float (&a)[4][4], int lane) {
 #pragma unroll
@@ -475,13 +388,10 @@ __device__ __forceinline__ void stage_qv(uint16_t (*xs)[V + 8], const float (&a)
   }
 }
 
-// One program, its codes in sm.codes[sm.buf]: wait for its staged inputs, start the copies of the next program's
-// codes into the other tile, flush it, and (after barrier #2, when the staging area is free) start the copies of the
-// next program's other inputs; the deployment form also resets the program's window there.
-// `next()` gives the next program's records where they are needed (the deployment form reads them from shared
-// memory there rather than keeping them in registers over the whole program).
-template <bool POOL, typename Next>
-__device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Records rec, Next next,
+// One program: wait for its staged inputs, flush it, and (after barrier #1, when the staging area is free) start the
+// copies of the next program's inputs; the deployment form also resets the program's window there.
+template <bool POOL>
+__device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Records rec, Records next,
                                               bool has_next) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -494,19 +404,21 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   cp_async_wait_all();
   __syncthreads();                                                                                   // #0
   STAMP(1);
-  if (has_next) prefetch_codes<POOL>(p, sm.codes[sm.buf ^ 1], next());
 
-  // ---- 0. from the staging area: s_v; A^T (ubuf, hi / lo of q) ---------------------------------------------------
+  // ---- 0. from the staging area: codes rows (16 B per row), s_v; A^T (ubuf, hi / lo of q) -----------------------
   const Stage& st = sm.st;
+  uint4 cw[4];
   float svr[4];
 #pragma unroll
-  for (int ri = 0; ri < 4; ++ri) svr[ri] = st.s_v[row_of(ri)];
+  for (int ri = 0; ri < 4; ++ri) {
+    const int v = row_of(ri);
+    cw[ri] = st.codes[v][(colbase >> 4) ^ ((v & 1) << 2)];
+    svr[ri] = st.s_v[v];
+  }
   {
-    // the deployment form's loops keep more alive: there the swizzled addresses come from a fresh %tid.x (hoisted
-    // out of its loops, they were spilled); the dense form keeps them (a fresh read there spills elsewhere)
-    const int tx = POOL ? fresh_tid() : tid, j = tx >> 4, c = tx & 15;
+    const int j = tid >> 4, c = tid & 15;
     s_a_chunk(sm, j, c) = st.ubuf[j][c];
-    if (tx < 64) {
+    if (tid < 64) {
       const uint4 q8 = st.q[j][c];                       // q_j[8c .. 8c + 7]
       const uint32_t qw[4] = {q8.x, q8.y, q8.z, q8.w};
       uint32_t hi[4], lo[4];                           // an fp16 value is exactly hi + lo
@@ -518,31 +430,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
   }
 
-  // ---- 0a. what S^T q0 = cs * codes^T (s_v q0) + B^T (A^T q0) needs: the pieces of s_v q0 (warps 0-3, one vector
-  // each) and A^T q0 in fp32 (threads 96-255: row j = (tid - 96) / 8, every 8th v from tid % 8, summed over 8 lanes)
-  if (warp < R) stage_pieces(sm, warp, lane);
-  if (const int tx = POOL ? fresh_tid() : tid; tx >= 96) {
-    const int j = (tx - 96) >> 3, c = tx & 7;
-    const uint16_t* row = j < L ? reinterpret_cast<const uint16_t*>(st.ubuf[j])
-                                : reinterpret_cast<const uint16_t*>(st.q[j - L]);
-    float d[R] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < V / 8; ++i) {
-      const int v = c + 8 * i;
-      const float a = j < L ? bf16_val(row[v]) : h2f(row[v]);
-      const float4 x = sm.q0s[v];
-      d[0] = fmaf(a, x.x, d[0]); d[1] = fmaf(a, x.y, d[1]); d[2] = fmaf(a, x.z, d[2]); d[3] = fmaf(a, x.w, d[3]);
-    }
-#pragma unroll
-    for (int m = 4; m >= 1; m >>= 1)
-#pragma unroll
-      for (int n = 0; n < R; ++n) d[n] += __shfl_xor_sync(FULL, d[n], m);
-    if (c == 0) sm.atq0[j] = make_float4(d[0], d[1], d[2], d[3]);
-  }
-  __syncthreads();                                                                                   // #1
-  STAMP(2);
-
-  // ---- 0b. B (three bf16 splits) into shared memory, with B^T (A^T q0) over the thread's rows of B; cs -----------
+  // ---- 0b. B (three bf16 splits) into shared memory; cs ----------------------------------------------------------
   {
     const uint16_t* kbuf = reinterpret_cast<const uint16_t*>(st.kbuf);
     const uint16_t* gbuf = reinterpret_cast<const uint16_t*>(st.gbuf);
@@ -558,7 +446,6 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       for (int j = L - 1; j >= 8; --j) D *= h2f(gbuf[j * K + k]);
     }
     const int jtop = half ? 15 : 7;
-    float bt[R] = {0.0f, 0.0f, 0.0f, 0.0f};            // sum_j B[j][k] (A^T q0)[j][n] over this thread's j
     uint32_t hw[4], mw[4], lw[4];                      // packed bf16 pairs: word i holds j&7 = 2i (low), 2i + 1
 #pragma unroll
     for (int pp = 0; pp < 4; ++pp) {                   // pairs from the top: j = jtop - 2 pp, jtop - 2 pp - 1
@@ -569,9 +456,6 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
         const float kv = bf16_val(kbuf[j * K + k]);
         val[1 - e] = st.w[j] * (kv * D);
         D *= h2f(gbuf[j * K + k]);
-        const float4 g4 = sm.atq0[j];
-        bt[0] = fmaf(val[1 - e], g4.x, bt[0]); bt[1] = fmaf(val[1 - e], g4.y, bt[1]);
-        bt[2] = fmaf(val[1 - e], g4.z, bt[2]); bt[3] = fmaf(val[1 - e], g4.w, bt[3]);
       }
       split3_pair(val[0], val[1], hw[3 - pp], mw[3 - pp], lw[3 - pp]);
     }
@@ -582,16 +466,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     if (half == 1) {
       // j 16..23: u_r exp(pcum) twice (against the hi and the lo of q)
       uint32_t uh[2], um[2], ul[2];                  // pairs (r 0, 1) and (r 2, 3)
-      float ud[R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        ud[r] = h2f(u[r * K + k]) * dec;
-        const float4 g4 = sm.atq0[L + r];
-        bt[0] = fmaf(ud[r], g4.x, bt[0]); bt[1] = fmaf(ud[r], g4.y, bt[1]);
-        bt[2] = fmaf(ud[r], g4.z, bt[2]); bt[3] = fmaf(ud[r], g4.w, bt[3]);
-      }
-#pragma unroll
-      for (int r = 0; r < R; r += 2) split3_pair(ud[r], ud[r + 1], uh[r / 2], um[r / 2], ul[r / 2]);
+      for (int r = 0; r < R; r += 2)
+        split3_pair(h2f(u[r * K + k]) * dec, h2f(u[(r + 1) * K + k]) * dec, uh[r / 2], um[r / 2], ul[r / 2]);
       const int c2 = 2 ^ sw;
       sm.bsm[0][k][c2] = make_uint4(uh[0], uh[1], uh[0], uh[1]);
       sm.bsm[1][k][c2] = make_uint4(um[0], um[1], um[0], um[1]);
@@ -599,56 +476,10 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     } else {
       sm.cs[k] = (st.s_k[k] * (1.0f / 127.0f)) * dec;
     }
-#pragma unroll
-    for (int n = 0; n < R; ++n) pst_row(sm, 2 + half, n)[k] = bt[n];
   }
-  // ---- 0c. codes^T (s_v q0) on int8 tensor cores: warp w takes the columns k in [32 (w & 3), +32) over the rows
-  // v in [64 (w >> 2), +64), in two m16n8k32 steps of 32 rows. A = codes^T: lane (g, t) reads the 4 x 4 blocks
-  // (rows v0 + 4 t + i and v0 + 16 + 4 t + i, columns kb + [0, 4)), kb = 32 (w & 3) + 4 g, and transposes them, so
-  // that column kb + j is the A row g of m-tile j >> 1 for j even, g + 8 for j odd. B = the pieces: the N = 8 of
-  // n-tile nt holds pieces 2 nt, 2 nt + 1 of the four vectors, so the lane's accumulator columns 2 t, 2 t + 1 are
-  // two pieces of vector t; the integer sums are exact.
-  {
-    const int tx = fresh_tid(), lg = (tx >> 2) & 7, lt = tx & 3;   // (g, t), recomputed rather than kept alive
-    const int kb = 32 * ((tx >> 5) & 3) + 4 * lg, vh = tx >> 7;
-    int d[2][2][4] = {};                               // [m-tile][n-tile][accumulator]
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int v0 = 64 * vh + 32 * s;
-      uint32_t a0[4], a1[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int va = v0 + 4 * lt + i, vb = va + 16;
-        a0[i] = reinterpret_cast<const uint32_t*>(&sm.codes[sm.buf][va][codes_chunk(va, kb >> 4)])[(kb >> 2) & 3];
-        a1[i] = reinterpret_cast<const uint32_t*>(&sm.codes[sm.buf][vb][codes_chunk(vb, kb >> 4)])[(kb >> 2) & 3];
-      }
-      transpose_bytes(a0);                             // a0[j]: rows v0 + 4 t + [0, 4) of column kb + j
-      transpose_bytes(a1);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const uint32_t b0 = sm.yq[8 * nt + lg][v0 / 4 + lt], b1 = sm.yq[8 * nt + lg][v0 / 4 + 4 + lt];
-        mma_s8_k32(d[0][nt], a0[0], a0[1], a1[0], a1[1], b0, b1);
-        mma_s8_k32(d[1][nt], a0[2], a0[3], a1[2], a1[3], b0, b1);
-      }
-    }
-    // column kb + 2 mt + h of vector t: piece p in d[mt][p >> 1][2 h + (p & 1)]
-    float o[4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int* p01 = &d[mt][0][2 * h];
-        const int* p23 = &d[mt][1][2 * h];
-        o[2 * mt + h] = fmaf(fmaf(fmaf(static_cast<float>(p23[1]), 0.0078125f, static_cast<float>(p23[0])),
-                                  0.0078125f, static_cast<float>(p01[1])),
-                             0.0078125f, static_cast<float>(p01[0]));
-      }
-    const float sc = sm.ysc[lt];
-    *reinterpret_cast<float4*>(pst_row(sm, vh, lt) + kb) = make_float4(o[0] * sc, o[1] * sc, o[2] * sc, o[3] * sc);
-  }
-  __syncthreads();                                                                                   // #2
-  STAMP(3);
-  if (has_next) prefetch_rest<POOL>(p, sm.st, next());
+  __syncthreads();                                                                                   // #1
+  STAMP(2);
+  if (has_next) prefetch_program<POOL>(p, sm.st, next);
   if (POOL) {
     // reset the window (its staged copy is complete): w = 0, pcum = 0, gbuf = 1
     const size_t win = static_cast<size_t>(rec.win);
@@ -657,49 +488,10 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     if (tid < 32) reinterpret_cast<uint4*>(p.pcum + win * K)[tid] = make_uint4(0, 0, 0, 0);
     else if (tid < 36) reinterpret_cast<uint4*>(p.w + win * L)[tid - 32] = make_uint4(0, 0, 0, 0);
   }
-  if (warp == 0) {
-    // S^T q0 for the columns k = 4 lane + i, then qk = CGS2(S^T q0) as the tf32 B operands of S qk; meanwhile the
-    // other warps rebuild S
-    float a[4][4];
-    const float4 cs4 = reinterpret_cast<const float4*>(sm.cs)[lane];
-    const float csv[4] = {cs4.x, cs4.y, cs4.z, cs4.w};
-#pragma unroll
-    for (int n = 0; n < R; ++n) {
-      float4 part[4];
-#pragma unroll
-      for (int src = 0; src < 4; ++src) part[src] = reinterpret_cast<const float4*>(pst_row(sm, src, n))[lane];
-      a[0][n] = fmaf(csv[0], part[0].x + part[1].x, part[2].x + part[3].x);
-      a[1][n] = fmaf(csv[1], part[0].y + part[1].y, part[2].y + part[3].y);
-      a[2][n] = fmaf(csv[2], part[0].z + part[1].z, part[2].z + part[3].z);
-      a[3][n] = fmaf(csv[3], part[0].w + part[1].w, part[2].w + part[3].w);
-    }
-    cgs2(a);
-#pragma unroll
-    for (int n = 0; n < R; ++n) {
-      uint4 part, rest;
-      part.x = tf32_part(a[0][n]); part.y = tf32_part(a[1][n]);
-      part.z = tf32_part(a[2][n]); part.w = tf32_part(a[3][n]);
-      rest.x = tf32_rest(a[0][n]); rest.y = tf32_rest(a[1][n]);
-      rest.z = tf32_rest(a[2][n]); rest.w = tf32_rest(a[3][n]);
-      *reinterpret_cast<uint4*>(&sm.zs[n][4 * lane]) = part;
-      *reinterpret_cast<uint4*>(&sm.zs[R + n][4 * lane]) = rest;
-    }
-  }
 
   // ---- 1. rebuild S into the accumulators ----------------------------------------------------------------------
   float acc[2][8][4];
   {
-    uint4 cw[4];                                       // the lane's 16 codes of each of its rows
-    {
-      // the swizzled addresses from a fresh %tid.x: hoisted out of the program loop, they were kept (and spilled)
-      const int tx = fresh_tid(), c = 4 * ((tx >> 5) & 1) + (tx & 3);
-      const int v0 = 32 * (tx >> 6) + ((tx >> 2) & 7);
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) {
-        const int v = v0 + 16 * (ri >> 1) + 8 * (ri & 1);
-        cw[ri] = sm.codes[sm.buf][v][codes_chunk(v, c)];
-      }
-    }
     float csr[16];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -732,28 +524,76 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       const int vc = (32 * wr + 16 * mt) / 8 + (m & 1);
       ldsm_x4_trans(smem_u32(&s_a_chunk(sm, r8 + 8 * (m >> 1), vc)), reinterpret_cast<uint32_t(&)[4]>(afr[0]));
       ldsm_x2_trans(smem_u32(&s_a_chunk(sm, L + r8, vc)), afr[4], afr[5]);
-      // the 9 useful 8 x 8 matrices of a row block (3 splits x chunks 0-2) in 2 x4 loads and one x1: lane group m
-    // addresses matrix m of each, (split, chunk) = (m < 3 ? 0 : 1, m < 3 ? m : 0), then (m < 2 ? 1 : 2, (m + 1) % 3)
-    const int s1 = m < 3 ? 0 : 1, c1 = m < 3 ? m : 0, s2 = m < 2 ? 1 : 2, c2 = (m + 1) % 3;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         const int k = 64 * wc + 16 * (r8 >> 1) + 2 * nt + (r8 & 1);
-        const uint32_t row = bbase + static_cast<uint32_t>(k * 64);
-        uint32_t b1[4], b2[4], b3;
-        ldsm_x4(row + static_cast<uint32_t>(s1 * K * 64 + ((c1 ^ ksw) << 4)), b1);   // hi 0-2, mid 0
-        ldsm_x4(row + static_cast<uint32_t>(s2 * K * 64 + ((c2 ^ ksw) << 4)), b2);   // mid 1-2, lo 0-1
-        ldsm_x1(row + static_cast<uint32_t>(2 * K * 64 + ((2 ^ ksw) << 4)), b3);     // lo 2
-        mma_bf16_k16(acc[mt][nt], afr, b2[2], b2[3]);
-        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], b3);
-        mma_bf16_k16(acc[mt][nt], afr, b1[3], b2[0]);
-        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], b2[1]);
-        mma_bf16_k16(acc[mt][nt], afr, b1[0], b1[1]);
-        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], b1[2]);
+        const uint32_t off = static_cast<uint32_t>(k * 64 + ((m ^ ksw) << 4));
+        uint32_t bh[4], bm[4], bl[4];
+        ldsm_x4(bbase + off, bh);
+        ldsm_x4(bbase + 1 * K * 64 + off, bm);
+        ldsm_x4(bbase + 2 * K * 64 + off, bl);
+        mma_bf16_k16(acc[mt][nt], afr, bl[0], bl[1]);
+        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bl[2]);
+        mma_bf16_k16(acc[mt][nt], afr, bm[0], bm[1]);
+        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bm[2]);
+        mma_bf16_k16(acc[mt][nt], afr, bh[0], bh[1]);
+        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bh[2]);
       }
     }
   }
 
-  // ---- 2. subspace iteration (S^T q0 and the first orthonormalisation above) -----------------------------------
+  // ---- 2. subspace iteration -------------------------------------------------------------------------------------
+  // S^T q0 in fp32 on CUDA cores: column partials over this lane's 4 rows, reduce-scattered over the 8 lanes g of a
+  // column (lane keeps column colbase + 2 nt + (g >> 2), vector g & 3), into red[wr][k][j]. Its precision decides
+  // qk, and through it the tokens: a bf16 hi + lo form of S here moved the worst-head ratio from 1.004 to 1.009.
+  // The lane's vectors come in the order j ^ (g & 3): the half it keeps at each of the last two levels is then its
+  // first half, and the partner's matching values sit in the partner's second half.
+  {
+    float xr[4][4];                                  // xr[ri][p]: q0 vector p ^ (g & 3) at row row_of(ri)
+#pragma unroll
+    for (int ri = 0; ri < 4; ++ri) {
+      const float4 x4 = sm.q0p[g & 3][row_of(ri)];
+      xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
+    }
+    const bool u2 = (g >> 2) & 1;
+    float* redp = sm.red + wr * 512 + (colbase + (g >> 2)) * 4 + (g & 3);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      float pv[8];
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float s = acc[0][nt][e] * xr[0][j];
+          s = fmaf(acc[0][nt][2 + e], xr[1][j], s);
+          s = fmaf(acc[1][nt][e], xr[2][j], s);
+          s = fmaf(acc[1][nt][2 + e], xr[3][j], s);
+          pv[4 * e + j] = s;
+        }
+      rs_level<8>(pv, u2, 16);
+      pv[0] += __shfl_xor_sync(FULL, pv[2], 8);      // lane ^ 8 has g & 3 one bit 1 apart: its p + 2 is our p
+      pv[1] += __shfl_xor_sync(FULL, pv[3], 8);
+      pv[0] += __shfl_xor_sync(FULL, pv[1], 4);      // lane ^ 4: bit 0 apart, its p = 1 is our p = 0
+      redp[8 * nt] = pv[0];                          // red[wr][colbase + 2 nt + (g >> 2)][g & 3]
+    }
+  }
+  __syncthreads();                                                                                   // #2
+  STAMP(3);
+  if (warp == 0) {
+    float a[4][4];
+    sum_partials<4>(sm.red, lane, a);                  // the 4 row-warps' column partials of S^T q0
+    cgs2(a);
+#pragma unroll
+    for (int n = 0; n < R; ++n) {
+      uint4 part, rest;
+      part.x = tf32_part(a[0][n]); part.y = tf32_part(a[1][n]);
+      part.z = tf32_part(a[2][n]); part.w = tf32_part(a[3][n]);
+      rest.x = tf32_rest(a[0][n]); rest.y = tf32_rest(a[1][n]);
+      rest.z = tf32_rest(a[2][n]); rest.w = tf32_rest(a[3][n]);
+      *reinterpret_cast<uint4*>(&sm.zs[n][4 * lane]) = part;
+      *reinterpret_cast<uint4*>(&sm.zs[R + n][4 * lane]) = rest;
+    }
+  }
   __syncthreads();                                                                                   // #3
   STAMP(4);
 
@@ -862,8 +702,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   __syncthreads();                                                                                   // #6
   STAMP(7);
   {
-    const int tx = fresh_tid();                      // recomputed here rather than kept (spilled) from the start
-    const int k = tx >> 1, jp = (tx & 1) * 2;
+    const int k = tid >> 1, jp = (tid & 1) * 2;
     float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -874,7 +713,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     __half* u_new = reinterpret_cast<__half*>(static_cast<char*>(p.u_new) + ck_offset<POOL>(rec.ck, 2 * R * K));
     u_new[jp * token_row<POOL>() + k] = h0;
     u_new[(jp + 1) * token_row<POOL>() + k] = h1;
-    sm.un16[k][tx & 1] = half_pair(__hneg(h0), __hneg(h1));
+    sm.un16[k][tid & 1] = half_pair(__hneg(h0), __hneg(h1));
   }
   __syncthreads();                                                                                   // #7
   STAMP(8);
@@ -908,10 +747,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     rs_level<16>(cp, (g >> 2) & 1, 16);
     rs_level<8>(cp, (g >> 1) & 1, 8);
     rs_level<4>(cp, g & 1, 4);                         // lane keeps nt = g, e = 0, 1
-    // red[wr][colbase + 2 g]; the deployment form takes the address from a fresh %tid.x (it kept and spilled it)
-    const int tx = POOL ? fresh_tid() : tid;
-    const int part = 128 * (tx >> 6) + 64 * ((tx >> 5) & 1) + 16 * (tx & 3) + 2 * ((tx >> 2) & 7);
-    *reinterpret_cast<float2*>(sm.red + part) = make_float2(cp[0], cp[1]);
+    *reinterpret_cast<float2*>(sm.red + wr * 128 + colbase + 2 * g) = make_float2(cp[0], cp[1]);
   }
   __syncthreads();                                                                                   // #8
   STAMP(9);
@@ -961,14 +797,11 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   {
     int8_t* codes_new = p.codes_new + ck_offset<POOL>(rec.ck, V * K);
     float* s_v_new = reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_v_new) + ck_offset<POOL>(rec.ck, 4 * V));
-    // rows and columns from a fresh %tid.x (hoisted out of the program loop, they were kept and spilled)
-    const int tx = fresh_tid(), cb = 64 * ((tx >> 5) & 1) + 16 * (tx & 3);
-    const int v0 = 32 * (tx >> 6) + ((tx >> 2) & 7);
 #pragma unroll
     for (int ri = 0; ri < 4; ++ri) {
-      const int v = v0 + 16 * (ri >> 1) + 8 * (ri & 1);
+      const int v = row_of(ri);
       const float sv = fmaxf(fmaxf(sm.red[512 + v], sm.red[640 + v]), 1e-12f);
-      if (cb < 64 && (tx & 3) == 0) s_v_new[v] = sv;
+      if (wc == 0 && t == 0) s_v_new[v] = sv;
       const float step = 127.0f / sv;
       uint32_t y[16];
 #pragma unroll
@@ -981,10 +814,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       o.y = pack_low_bytes(y[4], y[5], y[6], y[7]);
       o.z = pack_low_bytes(y[8], y[9], y[10], y[11]);
       o.w = pack_low_bytes(y[12], y[13], y[14], y[15]);
-      *reinterpret_cast<uint4*>(codes_new + v * K + cb) = o;
+      *reinterpret_cast<uint4*>(codes_new + v * K + colbase) = o;
     }
   }
-  if (tid == 0) sm.buf ^= 1;             // every read of this program's codes tile was before barrier #3
 }
 
 // Persistent CTAs, 2 per SM: each flushes its share of the programs one after the other; the next program's inputs
@@ -1001,27 +833,18 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
   auto load_q0 = [&] {
     if (tid < V) {
       const float4 x = __ldg(reinterpret_cast<const float4*>(p.q0) + tid);
-      sm.q0s[tid] = x;
-      reinterpret_cast<float*>(sm.q0t[0])[tid] = x.x;
-      reinterpret_cast<float*>(sm.q0t[1])[tid] = x.y;
-      reinterpret_cast<float*>(sm.q0t[2])[tid] = x.z;
-      reinterpret_cast<float*>(sm.q0t[3])[tid] = x.w;
+      sm.q0p[0][tid] = x;
+      sm.q0p[1][tid] = make_float4(x.y, x.x, x.w, x.z);
+      sm.q0p[2][tid] = make_float4(x.z, x.w, x.x, x.y);
+      sm.q0p[3][tid] = make_float4(x.w, x.z, x.y, x.x);
     }
   };
-  // the first program of a run of them: its codes into the tile that flush_program will read (sm.buf, written by
-  // thread 0 before a barrier that every thread has passed since)
-  auto prefetch_first = [&](Records rec) {
-    prefetch_codes<POOL>(p, sm.codes[sm.buf], rec);
-    prefetch_rest<POOL>(p, sm.st, rec);
-  };
-  if (tid == 0) sm.buf = 0;
-  __syncthreads();
   if constexpr (!POOL) {
     load_q0();
-    prefetch_first(Records{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.x)});
+    prefetch_program<POOL>(p, sm.st, Records{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.x)});
     for (int prog = blockIdx.x; prog < p.n_programs; prog += stride) {
       const int next = prog + stride;
-      flush_program<POOL>(p, sm, Records{prog, prog}, [&] { return Records{next, next}; }, next < p.n_programs);
+      flush_program<POOL>(p, sm, Records{prog, prog}, Records{next, next}, next < p.n_programs);
     }
   } else {
   for (int first = blockIdx.x; first < p.n_programs; first += NTHREADS * stride) {
@@ -1041,7 +864,7 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
     const unsigned ballot = __ballot_sync(FULL, due);
     if ((tid & 31) == 0) sm.due_in_warp[tid >> 5] = __popc(ballot);
     __syncthreads();
-    int before = __popc(ballot & lanemask_lt()), n_due = 0;
+    int before = __popc(ballot & ((1u << (tid & 31)) - 1u)), n_due = 0;
 #pragma unroll
     for (int w8 = 0; w8 < NTHREADS / 32; ++w8) {
       before += w8 < (tid >> 5) ? sm.due_in_warp[w8] : 0;
@@ -1053,11 +876,11 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
     if (n_due == 0) continue;
     load_q0();                                         // only when there is work: none due stays two loads a thread
     auto due_records = [&](int i) { const int2 r = sm.due[i]; return Records{r.x, r.y}; };
-    prefetch_first(due_records(0));
+    prefetch_program<POOL>(p, sm.st, due_records(0));
     // the count is re-read from shared memory each time rather than held (and spilled) over the flush
     for (int i = 0; i < sm.n_due; ++i) {
       const bool more = i + 1 < sm.n_due;
-      flush_program<POOL>(p, sm, due_records(i), [&] { return due_records(i + 1); }, more);
+      flush_program<POOL>(p, sm, due_records(i), due_records(more ? i + 1 : i), more);
     }
     __syncthreads();                                   // sm.due is rewritten by the next round
   }
