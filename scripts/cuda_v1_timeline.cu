@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Where one cuda_v1 program's cycles go, stage by stage: thread 0 of every CTA stamps clock64() at a program's entry
 // and after each of its numbered CTA barriers (flush.cu's STAMP hook); this prints the median, 10th and 90th
-// percentile cycles of each stage over the CTAs' first 16 programs. Random in-domain inputs (the numbers do not
+// percentile cycles of each stage over all programs (B <= 512). Random in-domain inputs (the numbers do not
 // depend on the values: the kernel has no data-dependent branches but the slow paths of IEEE division and sqrt).
 // Standalone CUDA (no torch), for the H200:
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/cuda_v1_timeline scripts/cuda_v1_timeline.cu
@@ -16,13 +16,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-constexpr int MAX_CTAS = 1024, MAX_PROGRAMS = 16, STAMPS = 12;
-__device__ long long g_stamps[MAX_CTAS][MAX_PROGRAMS][STAMPS];
-// the dense form's program i of a CTA is blockIdx.x + i * gridDim.x
+constexpr int MAX_PROGRAMS = 32 * 512, STAMPS = 12;
+// a program's stamps by its index (the dense form's record): one compare and one store a stamp, no index arithmetic
+// (a division there pushed a kernel variant into spills). Program p runs on CTA p % gridDim.x, after p - gridDim.x.
+__device__ long long g_stamps[MAX_PROGRAMS][STAMPS];
 #define STAMP(n)                                                                                               \
   do {                                                                                                         \
-    const int i_ = rec.ck / static_cast<int>(gridDim.x);                                                       \
-    if (threadIdx.x == 0 && blockIdx.x < MAX_CTAS && i_ < MAX_PROGRAMS) g_stamps[blockIdx.x][i_][n] = clock64(); \
+    if (threadIdx.x == 0 && rec.ck < MAX_PROGRAMS) g_stamps[rec.ck][n] = clock64();                            \
   } while (0)
 #include "../solutions/cuda_v1/flush.cu"
 
@@ -98,8 +98,8 @@ void timeline(int batch, std::mt19937& rng) {
 
   for (int i = 0; i < 3; ++i) check(leapquant_flush_launch(p, 0), "launch");   // warm-up (and module load)
   check(cudaDeviceSynchronize(), "warm-up");
-  static long long stamps[MAX_CTAS][MAX_PROGRAMS][STAMPS];
-  std::fill(&stamps[0][0][0], &stamps[0][0][0] + MAX_CTAS * MAX_PROGRAMS * STAMPS, 0LL);
+  static long long stamps[MAX_PROGRAMS][STAMPS];
+  std::fill(&stamps[0][0], &stamps[0][0] + MAX_PROGRAMS * STAMPS, 0LL);
   check(cudaMemcpyToSymbol(g_stamps, stamps, sizeof(stamps)), "clear stamps");
   cudaEvent_t start, stop;
   check(cudaEventCreate(&start), "event");
@@ -114,20 +114,18 @@ void timeline(int batch, std::mt19937& rng) {
 
   int sms = 0;
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "attribute");
-  const int ctas = std::min(programs, std::min(2 * sms, MAX_CTAS));
-  const int per_cta = std::min((programs + ctas - 1) / ctas, MAX_PROGRAMS);
+  const int ctas = std::min(programs, 2 * sms);                       // leapquant_flush_launch's grid
+  const int stamped = std::min(programs, MAX_PROGRAMS);
   std::vector<std::vector<double>> stage(STAMPS + 1);                 // the last: a whole program, entry to entry
-  for (int c = 0; c < ctas; ++c)
-    for (int i = 0; i < per_cta; ++i) {
-      const long long* s = stamps[c][i];
-      if (s[STAMPS - 1] == 0) continue;                                // the CTA had no program i
-      for (int n = 0; n + 1 < STAMPS; ++n) stage[n].push_back(static_cast<double>(s[n + 1] - s[n]));
-      const long long next = i + 1 < per_cta ? stamps[c][i + 1][0] : 0;
-      if (next) {
-        stage[STAMPS - 1].push_back(static_cast<double>(next - s[STAMPS - 1]));
-        stage[STAMPS].push_back(static_cast<double>(next - s[0]));
-      }
+  for (int prog = 0; prog < stamped; ++prog) {
+    const long long* s = stamps[prog];
+    for (int n = 0; n + 1 < STAMPS; ++n) stage[n].push_back(static_cast<double>(s[n + 1] - s[n]));
+    if (prog + ctas < stamped) {                                       // the same CTA's next program
+      const long long next = stamps[prog + ctas][0];
+      stage[STAMPS - 1].push_back(static_cast<double>(next - s[STAMPS - 1]));
+      stage[STAMPS].push_back(static_cast<double>(next - s[0]));
     }
+  }
   std::printf("B=%d: %d programs on %d CTAs, %.1f us (one launch after warm-up)\n", batch, programs, ctas, ms * 1e3);
   for (int n = 0; n <= STAMPS; ++n) {
     auto& v = stage[n];
