@@ -16,12 +16,13 @@ def _nvcc():
     return shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin"))
 
 
-def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
+def _ptxas_report_without_spills(source: Path, obj: Path) -> str:
+    """Compiles `source` for sm_90a with ptxas's report and asserts no error and no spill; returns the report."""
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found on PATH: the compile check needs the CUDA toolkit")
     cmd = [nvcc, "-c", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v,-warn-spills",
-           "-I", str(FOLDER), str(FOLDER / "flush.cu"), "-o", str(tmp_path / "flush.o")]
+           "-I", str(FOLDER), str(source), "-o", str(obj)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     report = res.stdout + res.stderr
     assert res.returncode == 0, report
@@ -30,6 +31,11 @@ def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
     assert spills, f"no ptxas spill report in:\n{report}"
     assert all(a == 0 and b == 0 for a, b in spills), report
     assert "Registers are spilled" not in report, report
+    return report
+
+
+def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
+    report = _ptxas_report_without_spills(FOLDER / "flush.cu", tmp_path / "flush.o")
     stack = [int(x) for x in re.findall(r"(\d+) bytes stack frame", report)]
     assert all(s == 0 for s in stack), report
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", report)]
@@ -39,17 +45,7 @@ def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
 def test_timeline_tool_builds_with_the_kernel(tmp_path):
     """scripts/cuda_v1_timeline.cu includes flush.cu with its STAMP hook defined: it must keep compiling, and the
     stamps must not push the kernel into spills (the cycles it reports would then not be the kernel's)."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found on PATH: the compile check needs the CUDA toolkit")
-    tool = FOLDER.parents[1] / "scripts" / "cuda_v1_timeline.cu"
-    cmd = [nvcc, "-c", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v,-warn-spills",
-           str(tool), "-o", str(tmp_path / "timeline.o")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    report = res.stdout + res.stderr
-    assert res.returncode == 0, report
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert spills and all(a == "0" and b == "0" for a, b in spills), report
+    _ptxas_report_without_spills(FOLDER.parents[1] / "scripts" / "cuda_v1_timeline.cu", tmp_path / "timeline.o")
 
 
 def test_run_refuses_cpu_tensors_in_one_line():
