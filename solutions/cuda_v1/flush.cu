@@ -43,6 +43,10 @@ namespace {
 constexpr int V = 128, K = 128, L = 16, R = 4;
 constexpr int NTHREADS = 256;
 constexpr unsigned FULL = 0xffffffffu;
+// Row stride (floats) of the vector-major partials [warp][j][row] that warp 0 sums before an orthonormalisation:
+// 4 mod 32 banks apart, so that its lanes' float4 reads of 4 consecutive rows are conflict-free and the producers'
+// scalar stores conflict at most 2-way (a row-major [warp][row][j] layout conflicted 4-way on both sides)
+constexpr int PART = K + 4;
 
 // One program's inputs, brought in by cp.async while the CTA computes the previous program.
 struct __align__(16) Stage {
@@ -61,7 +65,7 @@ struct __align__(16) Smem {
   uint4 bsm[3][K][4];      // B as bf16, per split: [k][chunk of 8 j], chunk swizzled by (k >> 4) & 3 (24 KB)
   uint4 asm_[24][V / 8];   // A^T as bf16: rows j < 16 ubuf_j, 16-19 hi(q_r), 20-23 lo(q_r); [j][chunk of 8 v],
                            // chunk swizzled by j & 7 so that ldmatrix's 8 rows hit 8 bank groups (6 KB)
-  float red[2048];         // reduction scratch (8 KB), reused by every stage
+  float red[4 * R * PART]; // reduction scratch (8.25 KB), reused by every stage
   float cs[K];             // s_k / 127 * exp(pcum)
   float isk[K];            // 1 / s_k_new
   float4 q0p[4][V];        // q0 rows, components permuted: q0p[m][v] holds q0[v][p ^ m] at p (the lanes of
@@ -72,6 +76,8 @@ struct __align__(16) Smem {
   int2 due[NTHREADS];      // deployment form: this round's due programs (Records)
   int due_in_warp[NTHREADS / 32];
   int n_due;
+  float4 qvf[R][V / 4];     // qv in fp32, vector-major: warp 0 hands it on in 4 conflict-free stores, and the
+                           // fp16 rounding into q_new is done by every thread after S^T qv
   uint32_t qn16[V][2];     // q_new^T as fp16 pairs (r 0,1 | r 2,3)
   uint32_t un16[K][2];     // -u_new^T as fp16 pairs
 };
@@ -347,20 +353,18 @@ __device__ __forceinline__ void cgs2(float (&a)[4][4]) {
 }
 
 // Warp 0's input to an orthonormalisation: rows 4 lane + i of the [128, 4] matrix, summed in order over the N
-// per-warp partials that red holds as N consecutive [128] float4 blocks.
+// per-warp partials that red holds vector-major, [N][j][PART].
 template <int N>
 __device__ __forceinline__ void sum_partials(const float* red, int lane, float (&a)[4][4]) {
-  const float4* part = reinterpret_cast<const float4*>(red);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = 4 * lane + i;
-    float4 s = part[row];
+  for (int j = 0; j < R; ++j) {
+    float4 s = *reinterpret_cast<const float4*>(red + j * PART + 4 * lane);
 #pragma unroll
     for (int r = 1; r < N; ++r) {
-      const float4 o = part[r * 128 + row];
+      const float4 o = *reinterpret_cast<const float4*>(red + (r * R + j) * PART + 4 * lane);
       s.x += o.x; s.y += o.y; s.z += o.z; s.w += o.w;
     }
-    a[i][0] = s.x; a[i][1] = s.y; a[i][2] = s.z; a[i][3] = s.w;
+    a[0][j] = s.x; a[1][j] = s.y; a[2][j] = s.z; a[3][j] = s.w;
   }
 }
 
@@ -544,7 +548,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 
   // ---- 2. subspace iteration -------------------------------------------------------------------------------------
   // S^T q0 in fp32 on CUDA cores: column partials over this lane's 4 rows, reduce-scattered over the 8 lanes g of a
-  // column (lane keeps column colbase + 2 nt + (g >> 2), vector g & 3), into red[wr][k][j]. Its precision decides
+  // column (lane keeps column colbase + 2 nt + (g >> 2), vector g & 3), into red[wr][j][k]. Its precision decides
   // qk, and through it the tokens: a bf16 hi + lo form of S here moved the worst-head ratio from 1.004 to 1.009.
   // The lane's vectors come in the order j ^ (g & 3): the half it keeps at each of the last two levels is then its
   // first half, and the partner's matching values sit in the partner's second half.
@@ -556,7 +560,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
     }
     const bool u2 = (g >> 2) & 1;
-    float* redp = sm.red + wr * 512 + (colbase + (g >> 2)) * 4 + (g & 3);
+    float* redp = sm.red + (wr * R + (g & 3)) * PART + colbase + (g >> 2);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       float pv[8];
@@ -574,7 +578,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       pv[0] += __shfl_xor_sync(FULL, pv[2], 8);      // lane ^ 8 has g & 3 one bit 1 apart: its p + 2 is our p
       pv[1] += __shfl_xor_sync(FULL, pv[3], 8);
       pv[0] += __shfl_xor_sync(FULL, pv[1], 4);      // lane ^ 4: bit 0 apart, its p = 1 is our p = 0
-      redp[8 * nt] = pv[0];                          // red[wr][colbase + 2 nt + (g >> 2)][g & 3]
+      redp[2 * nt] = pv[0];                          // red[wr][g & 3][colbase + 2 nt + (g >> 2)]
     }
   }
   __syncthreads();                                                                                   // #2
@@ -600,7 +604,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   // S qk on tf32 tensor cores (3xTF32: S and qk each as a tf32 part + the rest; the N = 8 of [part | rest] gives the
   // fourth product free). An m16n8 accumulator tile is an m16n8k8 tf32 A fragment as it stands once its columns
   // 2 t, 2 t + 1 are read as the A columns t, t + 4; B's rows follow the same order. The 2 column-warps are summed by
-  // the consumer through red[wc][v][j].
+  // the consumer through red[wc][j][v].
   {
     float d[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
@@ -625,8 +629,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int v = 32 * wr + 16 * mt + 8 * h + g;
-          *reinterpret_cast<float2*>(sm.red + (wc * 128 + v) * 4 + 2 * t) =
-              make_float2(d[mt][2 * h], d[mt][2 * h + 1]);
+          float* part = sm.red + (wc * R + 2 * t) * PART + v;
+          part[0] = d[mt][2 * h];
+          part[PART] = d[mt][2 * h + 1];
         }
     }
   }
@@ -636,24 +641,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     float a[4][4];
     sum_partials<2>(sm.red, lane, a);                  // the 2 column-warps' row partials of S qk
     cgs2(a);
-    __half* q_new = reinterpret_cast<__half*>(static_cast<char*>(p.q_new) + ck_offset<POOL>(rec.ck, 2 * R * V));
-    uint32_t hq[4][2];                               // [i][pair]
-    __half hv[4][4];
     stage_qv(sm.qvb, a, lane);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) hv[i][r] = __float2half_rn(a[i][r]);
-      hq[i][0] = half_pair(hv[i][0], hv[i][1]);
-      hq[i][1] = half_pair(hv[i][2], hv[i][3]);
-      sm.qn16[4 * lane + i][0] = hq[i][0];
-      sm.qn16[4 * lane + i][1] = hq[i][1];
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const uint2 rows = make_uint2(half_pair(hv[0][r], hv[1][r]), half_pair(hv[2][r], hv[3][r]));
-      *reinterpret_cast<uint2*>(q_new + r * token_row<POOL>() + 4 * lane) = rows;
-    }
+    for (int n = 0; n < R; ++n) sm.qvf[n][lane] = make_float4(a[0][n], a[1][n], a[2][n], a[3][n]);
   }
   __syncthreads();                                                                                   // #5
   STAMP(6);
@@ -714,6 +704,14 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     u_new[jp * token_row<POOL>() + k] = h0;
     u_new[(jp + 1) * token_row<POOL>() + k] = h1;
     sm.un16[k][tid & 1] = half_pair(__hneg(h0), __hneg(h1));
+    // q_new = fp16(qv): thread (v, pair) rounds qv_{jp}[v], qv_{jp + 1}[v]
+    const int v = k;
+    const float* qvf = reinterpret_cast<const float*>(sm.qvf);
+    const __half q0h = __float2half_rn(qvf[jp * V + v]), q1h = __float2half_rn(qvf[(jp + 1) * V + v]);
+    __half* q_new = reinterpret_cast<__half*>(static_cast<char*>(p.q_new) + ck_offset<POOL>(rec.ck, 2 * R * V));
+    q_new[jp * token_row<POOL>() + v] = q0h;
+    q_new[(jp + 1) * token_row<POOL>() + v] = q1h;
+    sm.qn16[v][tid & 1] = half_pair(q0h, q1h);
   }
   __syncthreads();                                                                                   // #7
   STAMP(8);
