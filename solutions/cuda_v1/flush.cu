@@ -47,6 +47,15 @@ constexpr unsigned FULL = 0xffffffffu;
 // 4 mod 32 banks apart, so that its lanes' float4 reads of 4 consecutive rows are conflict-free and the producers'
 // scalar stores conflict at most 2-way (a row-major [warp][row][j] layout conflicted 4-way on both sides)
 constexpr int PART = K + 4;
+// S^T qv's per-warp partials [warp][k][j] with 8 floats of padding after every 16 k: the 16 storing lanes of a
+// warp (k = 16 (g >> 1) + 2 n + (g & 1) + const, j = 2 t, 2 t + 1) hit 32 distinct banks
+constexpr int UPART = 4 * K + 8 * (K / 16);
+__device__ __forceinline__ int upart_at(int k) { return 4 * k + 8 * (k >> 4); }
+// -u_new^T pairs with 4 words of padding after every 16 k, so that the residual's B-fragment reads (k = 16 (g >> 1)
+// + 2 nt + (g & 1) + const) are conflict-free
+constexpr int UN16 = 2 * K + 4 * (K / 16);
+__device__ __forceinline__ int un16_at(int k, int pair) { return 2 * k + pair + 4 * (k >> 4); }
+static_assert(4 * R * PART <= 4 * UPART, "red holds the orthonormalisations' partials");
 
 // One program's inputs, brought in by cp.async while the CTA computes the previous program.
 struct __align__(16) Stage {
@@ -65,7 +74,7 @@ struct __align__(16) Smem {
   uint4 bsm[3][K][4];      // B as bf16, per split: [k][chunk of 8 j], chunk swizzled by (k >> 4) & 3 (24 KB)
   uint4 asm_[24][V / 8];   // A^T as bf16: rows j < 16 ubuf_j, 16-19 hi(q_r), 20-23 lo(q_r); [j][chunk of 8 v],
                            // chunk swizzled by j & 7 so that ldmatrix's 8 rows hit 8 bank groups (6 KB)
-  float red[4 * R * PART]; // reduction scratch (8.25 KB), reused by every stage
+  float red[4 * UPART];    // reduction scratch (9 KB), reused by every stage
   float cs[K];             // s_k / 127 * exp(pcum)
   float isk[K];            // 1 / s_k_new
   float4 q0p[4][V];        // q0 rows, components permuted: q0p[m][v] holds q0[v][p ^ m] at p (the lanes of
@@ -79,7 +88,7 @@ struct __align__(16) Smem {
   float4 qvf[R][V / 4];     // qv in fp32, vector-major: warp 0 hands it on in 4 conflict-free stores, and the
                            // fp16 rounding into q_new is done by every thread after S^T qv
   uint32_t qn16[V][2];     // q_new^T as fp16 pairs (r 0,1 | r 2,3)
-  uint32_t un16[K][2];     // -u_new^T as fp16 pairs
+  uint32_t un16[UN16];     // -u_new^T as fp16 pairs (r 0,1 | r 2,3) at un16_at(k, pair)
 };
 
 // chunk c (v in [8c, 8c + 8)) of row j of the staged A^T
@@ -681,11 +690,11 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 #pragma unroll
       for (int i = 0; i < 4; ++i) d[i] += __shfl_xor_sync(FULL, d[i], 2);
       if (t < 2) {
+        // A row g + 8 h = column k = k0 + 2 (2 np + h) of n-tile 2 np + h, inside k0's block of 16
+        float* part = sm.red + wr * UPART + upart_at(64 * wc + 16 * (g >> 1) + (g & 1)) + 2 * t;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {                // A row g + 8 h = column g of n-tile 2 np + h
-          const int k = 64 * wc + 16 * (g >> 1) + 2 * (2 * np + h) + (g & 1);
-          *reinterpret_cast<float2*>(sm.red + wr * 512 + k * 4 + 2 * t) = make_float2(d[2 * h], d[2 * h + 1]);
-        }
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<float2*>(part + 8 * (2 * np + h)) = make_float2(d[2 * h], d[2 * h + 1]);
       }
     }
   }
@@ -696,14 +705,14 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const float2 o = *reinterpret_cast<const float2*>(sm.red + r * 512 + k * 4 + jp);
+      const float2 o = *reinterpret_cast<const float2*>(sm.red + r * UPART + upart_at(k) + jp);
       s0 += o.x; s1 += o.y;
     }
     const __half h0 = __float2half_rn(s0), h1 = __float2half_rn(s1);
     __half* u_new = reinterpret_cast<__half*>(static_cast<char*>(p.u_new) + ck_offset<POOL>(rec.ck, 2 * R * K));
     u_new[jp * token_row<POOL>() + k] = h0;
     u_new[(jp + 1) * token_row<POOL>() + k] = h1;
-    sm.un16[k][tid & 1] = half_pair(__hneg(h0), __hneg(h1));
+    sm.un16[un16_at(k, tid & 1)] = half_pair(__hneg(h0), __hneg(h1));
     // q_new = fp16(qv): thread (v, pair) rounds qv_{jp}[v], qv_{jp + 1}[v]
     const int v = k;
     const float* qvf = reinterpret_cast<const float*>(sm.qvf);
@@ -725,10 +734,12 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       qa[mt][0] = t < 2 ? sm.qn16[v0][t & 1] : 0u;
       qa[mt][1] = t < 2 ? sm.qn16[v0 + 8][t & 1] : 0u;
     }
+    // k = 64 wc + 16 (g >> 1) + (g & 1) + 2 nt (at + 4 nt), from a fresh %tid.x (kept from stage 1, it spilled)
+    const int tx = fresh_tid();
+    const uint32_t* un = sm.un16 + un16_at(64 * ((tx >> 5) & 1) + 16 * ((tx >> 3) & 3) + ((tx >> 2) & 1), tx & 1);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const int k = 64 * wc + 16 * (g >> 1) + 2 * nt + (g & 1);
-      const uint32_t b = t < 2 ? sm.un16[k][t & 1] : 0u;
+      const uint32_t b = t < 2 ? un[4 * nt] : 0u;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) mma_f16_k8(acc[mt][nt], qa[mt][0], qa[mt][1], b);
     }
