@@ -80,13 +80,12 @@ struct __align__(16) Smem {
   float4 q0p[4][V];        // q0 rows, components permuted: q0p[m][v] holds q0[v][p ^ m] at p (the lanes of
                            // S^T q0 with g & 3 = m read theirs, so that the reduce-scatter needs no selects)
   float zs[8][K + 4];      // qk as tf32 B operands of S qk: row n < 4 the tf32 part of qk_n, n >= 4 the rest
-  uint16_t qvb[8][V + 8];  // qv as bf16 B operands of S^T qv: row n < 4 the hi of qv_n, n >= 4 the lo of qv_{n-4};
-                           // rows padded so that the fragment loads are conflict-free
   int2 due[NTHREADS];      // deployment form: this round's due programs (Records)
   int due_in_warp[NTHREADS / 32];
   int n_due;
-  float4 qvf[R][V / 4];     // qv in fp32, vector-major: warp 0 hands it on in 4 conflict-free stores, and the
-                           // fp16 rounding into q_new is done by every thread after S^T qv
+  alignas(16) float qvf[R][V + 8];   // qv in fp32, vector-major (rows 8 banks apart): warp 0 hands it on in 4
+                                     // conflict-free float4 stores; S^T qv's lanes split their own values into bf16
+                                     // hi / lo, and every thread rounds two into q_new, off warp 0's path
   uint32_t qn16[V][2];     // q_new^T as fp16 pairs (r 0,1 | r 2,3)
   uint32_t un16[UN16];     // -u_new^T as fp16 pairs (r 0,1 | r 2,3) at un16_at(k, pair)
 };
@@ -389,18 +388,6 @@ __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint3
   return __byte_perm(ab, cd, 0x5410u);
 }
 
-// qv (rows 4 lane + i held by one warp in a[i][n]) into the bf16 B-operand rows of S^T qv.
-__device__ __forceinline__ void stage_qv(uint16_t (*xs)[V + 8], const float (&a)[4][4], int lane) {
-#pragma unroll
-  for (int n = 0; n < R; ++n) {
-    uint32_t h01, l01, h23, l23;
-    split2_pair(a[0][n], a[1][n], h01, l01);
-    split2_pair(a[2][n], a[3][n], h23, l23);
-    *reinterpret_cast<uint2*>(&xs[n][4 * lane]) = make_uint2(h01, h23);
-    *reinterpret_cast<uint2*>(&xs[R + n][4 * lane]) = make_uint2(l01, l23);
-  }
-}
-
 // One program: wait for its staged inputs, flush it, and (after barrier #1, when the staging area is free) start the
 // copies of the next program's inputs; the deployment form also resets the program's window there.
 template <bool POOL>
@@ -569,7 +556,11 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
     }
     const bool u2 = (g >> 2) & 1;
-    float* redp = sm.red + (wr * R + (g & 3)) * PART + colbase + (g >> 2);
+    // red + (wr R + (g & 3)) PART + colbase + (g >> 2), from a fresh %tid.x (derived from tid, the deployment form
+    // spilled)
+    const int fx = fresh_tid();
+    float* redp = sm.red + ((fx >> 6) * R + ((fx >> 2) & 3)) * PART + 64 * ((fx >> 5) & 1) + 16 * (fx & 3) +
+                  ((fx >> 4) & 1);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       float pv[8];
@@ -650,9 +641,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     float a[4][4];
     sum_partials<2>(sm.red, lane, a);                  // the 2 column-warps' row partials of S qk
     cgs2(a);
-    stage_qv(sm.qvb, a, lane);
 #pragma unroll
-    for (int n = 0; n < R; ++n) sm.qvf[n][lane] = make_float4(a[0][n], a[1][n], a[2][n], a[3][n]);
+    for (int n = 0; n < R; ++n)
+      *reinterpret_cast<float4*>(&sm.qvf[n][4 * lane]) = make_float4(a[0][n], a[1][n], a[2][n], a[3][n]);
   }
   __syncthreads();                                                                                   // #5
   STAMP(6);
@@ -662,12 +653,21 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   // 16 x 8 accumulator tile transposed by two movmatrix is half an A fragment of S^T (rows k, columns v); the warp's
   // 32 rows v are summed over its two m-tiles, the 4 row-warps by the consumer through red[wr][k][j].
   {
-    uint32_t bx[2][2];                               // B[v][n]: v = 16 mt + 2 t (+1, +8, +9) of the warp's rows
+    // B[v][n]: v = 16 mt + 2 t (+1, +8, +9) of the warp's rows; column n < 4 the bf16 hi of qv_n, n >= 4 the lo
+    // of qv_{n-4}
+    uint32_t bx[2][2];
+    const int tx = fresh_tid();                      // the row address afresh: kept from stage 1, it spilled
+    const float* xr0 = &sm.qvf[(tx >> 2) & 3][32 * (tx >> 6) + 2 * (tx & 3)];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      const uint16_t* xr = &sm.qvb[g][32 * wr + 16 * mt + 2 * t];
-      bx[mt][0] = *reinterpret_cast<const uint32_t*>(xr);
-      bx[mt][1] = *reinterpret_cast<const uint32_t*>(xr + 8);
+      const float* xr = xr0 + 16 * mt;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float2 x = *reinterpret_cast<const float2*>(xr + 8 * e);
+        uint32_t hi, lo;
+        split2_pair(x.x, x.y, hi, lo);
+        bx[mt][e] = g < 4 ? hi : lo;
+      }
     }
 #pragma unroll
     for (int np = 0; np < 4; ++np) {                 // A rows 0-7: the columns of n-tile 2 np, rows 8-15: 2 np + 1
@@ -701,7 +701,8 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   __syncthreads();                                                                                   // #6
   STAMP(7);
   {
-    const int k = tid >> 1, jp = (tid & 1) * 2;
+    const int tx7 = fresh_tid();                     // (from tid, the deployment form spilled)
+    const int k = tx7 >> 1, jp = (tx7 & 1) * 2;
     float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -712,15 +713,14 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     __half* u_new = reinterpret_cast<__half*>(static_cast<char*>(p.u_new) + ck_offset<POOL>(rec.ck, 2 * R * K));
     u_new[jp * token_row<POOL>() + k] = h0;
     u_new[(jp + 1) * token_row<POOL>() + k] = h1;
-    sm.un16[un16_at(k, tid & 1)] = half_pair(__hneg(h0), __hneg(h1));
+    sm.un16[un16_at(k, tx7 & 1)] = half_pair(__hneg(h0), __hneg(h1));
     // q_new = fp16(qv): thread (v, pair) rounds qv_{jp}[v], qv_{jp + 1}[v]
     const int v = k;
-    const float* qvf = reinterpret_cast<const float*>(sm.qvf);
-    const __half q0h = __float2half_rn(qvf[jp * V + v]), q1h = __float2half_rn(qvf[(jp + 1) * V + v]);
+    const __half q0h = __float2half_rn(sm.qvf[jp][v]), q1h = __float2half_rn(sm.qvf[jp + 1][v]);
     __half* q_new = reinterpret_cast<__half*>(static_cast<char*>(p.q_new) + ck_offset<POOL>(rec.ck, 2 * R * V));
     q_new[jp * token_row<POOL>() + v] = q0h;
     q_new[(jp + 1) * token_row<POOL>() + v] = q1h;
-    sm.qn16[v][tid & 1] = half_pair(q0h, q1h);
+    sm.qn16[v][tx7 & 1] = half_pair(q0h, q1h);
   }
   __syncthreads();                                                                                   // #7
   STAMP(8);
