@@ -227,23 +227,34 @@ __device__ __forceinline__ uint32_t tf32_rest(float x) {
   return __float_as_uint(x - __uint_as_float(tf32_part(x)));
 }
 
-// (a, b) as a bf16 pair (a in the low half) and the pair of what is left (a two-way split: 16 significant bits)
-__device__ __forceinline__ void split2_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+// (a, b) rounded to a bf16 pair, a in the low half
+__device__ __forceinline__ uint32_t bf16_pair(float a, float b) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  hi = reinterpret_cast<const uint32_t&>(h);
-  const __nv_bfloat162 l =
-      __floats2bfloat162_rn(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
-  lo = reinterpret_cast<const uint32_t&>(l);
+  return reinterpret_cast<const uint32_t&>(h);
+}
+
+// what is left of (a, b) after the bf16 pair hi (exact in fp32)
+__device__ __forceinline__ void pair_rest(float a, float b, uint32_t hi, float& ra, float& rb) {
+  ra = a - __uint_as_float(hi << 16);
+  rb = b - __uint_as_float(hi & 0xffff0000u);
+}
+
+// (a, b) = hi + lo, each a bf16 pair (a two-way split: 16 significant bits)
+__device__ __forceinline__ void split2_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  float ra, rb;
+  hi = bf16_pair(a, b);
+  pair_rest(a, b, hi, ra, rb);
+  lo = bf16_pair(ra, rb);
 }
 
 __device__ __forceinline__ float bf16_val(uint32_t bits) { return __uint_as_float(bits << 16); }
 
-// (a, b) = hi + mid + lo, each a bf16 pair (a in the low half; 24 significant bits in all: the fp32 values up to
-// their last bit or so). One cvt.rn.bf16x2 rounds both halves of a part.
+// (a, b) = hi + mid + lo, each a bf16 pair (24 significant bits in all: the fp32 values up to their last bit or so).
+// One cvt.rn.bf16x2 rounds both halves of a part.
 __device__ __forceinline__ void split3_pair(float a, float b, uint32_t& h, uint32_t& m, uint32_t& l) {
-  uint32_t rest;
-  split2_pair(a, b, h, rest);
-  const float ra = a - __uint_as_float(h << 16), rb = b - __uint_as_float(h & 0xffff0000u);
+  float ra, rb;
+  h = bf16_pair(a, b);
+  pair_rest(a, b, h, ra, rb);
   split2_pair(ra, rb, m, l);
 }
 
