@@ -55,9 +55,6 @@ __device__ __forceinline__ int upart_at(int k) { return 4 * k + 8 * (k >> 4); }
 // + 2 nt + (g & 1) + const) are conflict-free
 constexpr int UN16 = 2 * K + 4 * (K / 16);
 __device__ __forceinline__ int un16_at(int k, int pair) { return 2 * k + pair + 4 * (k >> 4); }
-// s_k's column partials of row-warp wr: kept inside the range of red that the column's own half read S^T qv's
-// partials from, because the other half may still be reading its range
-__device__ __forceinline__ int sk_part_at(int wr, int k) { return wr * UPART + upart_at(k & 64) + (k & 63); }
 static_assert(4 * R * PART <= 4 * UPART, "red holds the orthonormalisations' partials");
 
 // One program's inputs, brought in by cp.async while the CTA computes the previous program.
@@ -89,8 +86,7 @@ struct __align__(16) Smem {
   alignas(16) float qvf[R][V + 8];   // qv in fp32, vector-major (rows 8 banks apart): warp 0 hands it on in 4
                                      // conflict-free float4 stores; S^T qv's lanes split their own values into bf16
                                      // hi / lo, and every thread rounds two into q_new, off warp 0's path
-  uint32_t qn16[2][V][2];  // q_new^T as fp16 pairs (r 0,1 | r 2,3), one copy per column half (its warps round it)
-  float vmax[2][V];        // row maxima of |E| / s_k over each column half
+  uint32_t qn16[V][2];     // q_new^T as fp16 pairs (r 0,1 | r 2,3)
   uint32_t un16[UN16];     // -u_new^T as fp16 pairs (r 0,1 | r 2,3) at un16_at(k, pair)
 };
 
@@ -114,16 +110,6 @@ __device__ __forceinline__ int fresh_tid() {
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
   return static_cast<int>(tx);
 }
-
-// From S^T qv on, the CTA runs as two column halves (the 4 warps with w & 1 = wc) that meet only at s_v, and then
-// in pairs of warps (the two of a row block): each stage waits for the warps whose results it reads, not for all 8.
-// Barrier 0 is __syncthreads; 1 + wc are the halves' (128 threads), 3 + wr the pairs' (64).
-// (the ids come from a fresh %tid.x rather than from the stage's warp indices, which would then stay alive)
-__device__ __forceinline__ void named_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void half_barrier() { named_barrier(1 + ((fresh_tid() >> 5) & 1), 128); }
-__device__ __forceinline__ void pair_barrier() { named_barrier(3 + (fresh_tid() >> 6), 64); }
 
 // Where a program's checkpoint and window live: `ck` indexes the checkpoint records (dense: the program; deployment
 // form: region 33 slot + head of the pool), `win` the dense window tensors (the program; 32 slot + head).
@@ -723,14 +709,11 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       }
     }
   }
-  half_barrier();                                                                                  // #6
+  __syncthreads();                                                                                   // #6
   STAMP(7);
   {
-    // thread `local` of column half wc7: column k, pair jp of u_new; the rows v = k and k ^ 64 of q_new (each half
-    // rounds every row into its own copy; the global store is the half's own rows)
     const int tx7 = fresh_tid();                     // (from tid, the deployment form spilled)
-    const int wc7 = (tx7 >> 5) & 1, local = 32 * (tx7 >> 6) + (tx7 & 31);
-    const int k = 64 * wc7 + (local >> 1), jp = (local & 1) * 2;
+    const int k = tx7 >> 1, jp = (tx7 & 1) * 2;
     float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -741,32 +724,26 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     __half* u_new = reinterpret_cast<__half*>(static_cast<char*>(p.u_new) + ck_offset<POOL>(rec.ck, 2 * R * K));
     u_new[jp * token_row<POOL>() + k] = h0;
     u_new[(jp + 1) * token_row<POOL>() + k] = h1;
-    sm.un16[un16_at(k, local & 1)] = half_pair(__hneg(h0), __hneg(h1));
-    // q_new = fp16(qv)
+    sm.un16[un16_at(k, tx7 & 1)] = half_pair(__hneg(h0), __hneg(h1));
+    // q_new = fp16(qv): thread (v, pair) rounds qv_{jp}[v], qv_{jp + 1}[v]
+    const int v = k;
+    const __half q0h = __float2half_rn(sm.qvf[jp][v]), q1h = __float2half_rn(sm.qvf[jp + 1][v]);
     __half* q_new = reinterpret_cast<__half*>(static_cast<char*>(p.q_new) + ck_offset<POOL>(rec.ck, 2 * R * V));
-#pragma unroll
-    for (int other = 0; other < 2; ++other) {
-      const int v = k ^ (64 * other);
-      const __half q0h = __float2half_rn(sm.qvf[jp][v]), q1h = __float2half_rn(sm.qvf[jp + 1][v]);
-      if (!other) {
-        q_new[jp * token_row<POOL>() + v] = q0h;
-        q_new[(jp + 1) * token_row<POOL>() + v] = q1h;
-      }
-      sm.qn16[wc7][v][local & 1] = half_pair(q0h, q1h);
-    }
+    q_new[jp * token_row<POOL>() + v] = q0h;
+    q_new[(jp + 1) * token_row<POOL>() + v] = q1h;
+    sm.qn16[v][tx7 & 1] = half_pair(q0h, q1h);
   }
-  half_barrier();                                                                                  // #7
+  __syncthreads();                                                                                   // #7
   STAMP(8);
 
   // ---- 3. residual, scales, codes --------------------------------------------------------------------------------
   {
     uint32_t qa[2][2];
-    const int tq = fresh_tid();                      // (from tid, the deployment form spilled)
-    const uint32_t* qn = &sm.qn16[(tq >> 5) & 1][32 * (tq >> 6) + ((tq >> 2) & 7)][tq & 1];   // [wc][32 wr + g][t & 1]
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      qa[mt][0] = t < 2 ? qn[2 * 16 * mt] : 0u;
-      qa[mt][1] = t < 2 ? qn[2 * (16 * mt + 8)] : 0u;
+      const int v0 = 32 * wr + 16 * mt + g;
+      qa[mt][0] = t < 2 ? sm.qn16[v0][t & 1] : 0u;
+      qa[mt][1] = t < 2 ? sm.qn16[v0 + 8][t & 1] : 0u;
     }
     // k = 64 wc + 16 (g >> 1) + (g & 1) + 2 nt (at + 4 nt), from a fresh %tid.x (kept from stage 1, it spilled)
     const int tx = fresh_tid();
@@ -790,20 +767,17 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     rs_level<16>(cp, (g >> 2) & 1, 16);
     rs_level<8>(cp, (g >> 1) & 1, 8);
     rs_level<4>(cp, g & 1, 4);                         // lane keeps nt = g, e = 0, 1
-    *reinterpret_cast<float2*>(sm.red + sk_part_at(wr, colbase + 2 * g)) = make_float2(cp[0], cp[1]);
+    *reinterpret_cast<float2*>(sm.red + wr * 128 + colbase + 2 * g) = make_float2(cp[0], cp[1]);
   }
-  half_barrier();                                                                                  // #8
+  __syncthreads();                                                                                   // #8
   STAMP(9);
-  if (tid < 128) {                                   // warps 0-3: column 64 wc + 32 wr + lane
-    const int tx = fresh_tid();                      // (from tid, the deployment form spilled)
-    const int c = 64 * ((tx >> 5) & 1) + 32 * (tx >> 6) + (tx & 31);
-    const float s = (sm.red[sk_part_at(0, c)] + sm.red[sk_part_at(1, c)]) +
-                    (sm.red[sk_part_at(2, c)] + sm.red[sk_part_at(3, c)]);
+  if (tid < K) {
+    const float s = (sm.red[tid] + sm.red[128 + tid]) + (sm.red[256 + tid] + sm.red[384 + tid]);
     const float sk = fmaxf(approx_sqrt(s / 128.0f), 1e-12f);
-    reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_k_new) + ck_offset<POOL>(rec.ck, 4 * K))[c] = sk;
-    sm.isk[c] = approx_rcp(sk);
+    reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_k_new) + ck_offset<POOL>(rec.ck, 4 * K))[tid] = sk;
+    sm.isk[tid] = approx_rcp(sk);
   }
-  half_barrier();                                                                                  // #9
+  __syncthreads();                                                                                   // #9
   STAMP(10);
   float isk[16];
   {
@@ -835,10 +809,10 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
     if (t == 0) {
 #pragma unroll
-      for (int ri = 0; ri < 4; ++ri) sm.vmax[wc][row_of(ri)] = rm[ri];
+      for (int ri = 0; ri < 4; ++ri) sm.red[512 + wc * 128 + row_of(ri)] = rm[ri];
     }
   }
-  pair_barrier();                                                                                  // #10
+  __syncthreads();                                                                                   // #10
   STAMP(11);
   {
     int8_t* codes_new = p.codes_new + ck_offset<POOL>(rec.ck, V * K);
@@ -846,7 +820,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 #pragma unroll
     for (int ri = 0; ri < 4; ++ri) {
       const int v = row_of(ri);
-      const float sv = fmaxf(fmaxf(sm.vmax[0][v], sm.vmax[1][v]), 1e-12f);
+      const float sv = fmaxf(fmaxf(sm.red[512 + v], sm.red[640 + v]), 1e-12f);
       if (wc == 0 && t == 0) s_v_new[v] = sv;
       const float step = 127.0f / sv;
       uint32_t y[16];
