@@ -1,10 +1,12 @@
 """python -m harness.run --solution NAME [--solution NAME2 ...] [--batch-sizes 1,64] [--families edge,random]
-[--device auto|cuda|cpu]: judge (and on a GPU time) solutions on the definition's workloads and print one table.
+[--device auto|cuda|cpu] [--seed N]: judge (and on a GPU time) solutions on the definition's workloads and print one
+table. With --seed, the chosen workloads are drawn anew from base seed N and only judged.
 Exits 1 when any workload is not PASSED, 2 on bad input (definition, solution, workload file or arguments)."""
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -15,7 +17,7 @@ from harness.definition import find_definition
 from harness.runner import PASSED, Result, evaluate
 from harness import timing, traces
 from harness.solutions import REFERENCE, discover, load_solution, source_sha256
-from harness.workloads import load_workloads, select
+from harness.workloads import load_workloads, make_workload, select
 
 DEFAULT_DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
 CPU_BATCH_SIZES = (1, 2)
@@ -43,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--traces", metavar="DIR", help="write FlashInfer-bench traces under DIR (default: traces/ when "
                                                    "timed on a GPU; CPU runs write none unless given)")
     p.add_argument("--no-traces", action="store_true", help="write no traces")
+    p.add_argument("--seed", type=int, metavar="N",
+                   help="judge on fresh inputs: the chosen workloads drawn anew from base seed N (blobs in a "
+                        "temporary folder; the committed workloads are untouched); judged, not timed, no traces")
     return p.parse_args(argv)
 
 
@@ -91,6 +96,10 @@ def main(argv=None) -> int:
         solutions = [load_solution(n, defn) for n in names]
         batch_sizes = args.batch_sizes or (CPU_BATCH_SIZES if device == "cpu" else None)
         workloads = select(load_workloads(defn), batch_sizes, args.families)
+        fresh = tempfile.TemporaryDirectory(prefix="harness_seed_") if args.seed is not None else None
+        root = fresh.name if fresh else "."
+        if fresh:
+            workloads = [make_workload(defn, w.family, w.axes, args.seed, root, device) for w in workloads]
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -98,11 +107,13 @@ def main(argv=None) -> int:
         for sol in [s for s in solutions if s.language == "cuda"]:
             print(f"skipping {sol.name}: a CUDA solution needs a GPU", flush=True)
         solutions = [s for s in solutions if s.language != "cuda"]
-    timed = device == "cuda"
-    trace_root = None if args.no_traces else Path(args.traces) if args.traces else traces.TRACES if timed else None
+    timed = device == "cuda" and not fresh
+    trace_root = (None if args.no_traces or fresh else Path(args.traces) if args.traces
+                  else traces.TRACES if timed else None)
     env = traces.environment(device)
     print(f"{defn.name}: {len(solutions)} solution(s) x {len(workloads)} workload(s) on {device} "
-          f"({env['hardware']})", flush=True)
+          f"({env['hardware']})" + (f", fresh inputs from base seed {args.seed}, not timed" if fresh else ""),
+          flush=True)
     # speedups need the reference's latency on the same workloads and hardware: from its traces, else timed now
     reference_ms = {}
     if timed and trace_root is not None and all(s.name != REFERENCE for s in solutions):
@@ -119,7 +130,7 @@ def main(argv=None) -> int:
         if sol.name == REFERENCE and reference_ms:
             todo = [w for w in workloads if reference_ms[w.uuid] is None]
         done = evaluate(defn, sol, todo, device, args.timeout, on_result=_progress(len(todo)), timed=timed,
-                        bandwidth=bandwidth)
+                        bandwidth=bandwidth, root=root)
         if sol.name == REFERENCE:
             reference_ms.update({r.workload.uuid: r.latency_ms for r in done})
         if trace_root is not None:

@@ -7,6 +7,7 @@ import math
 import os
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -190,9 +191,9 @@ def floor_ms(defn: Definition, axes: dict, bandwidth: float) -> float:
 
 def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device: str, timeout_s: float = 300.0,
              on_result: Callable[[Result], None] = lambda r: None, timed: bool | None = None,
-             bandwidth: float | None = None) -> list[Result]:
+             bandwidth: float | None = None, root: str | Path = ".") -> list[Result]:
     """Judge one solution on each workload in its own worker process; on a GPU, time the ones that pass, each against
-    the memory floor at `bandwidth` (bytes/s; measured now if not given)."""
+    the memory floor at `bandwidth` (bytes/s; measured now if not given). The workloads' blobs are under `root`."""
     timed = device == "cuda" if timed is None else timed
     if timed and bandwidth is None:
         bandwidth = timing.copy_bandwidth(device)
@@ -203,7 +204,7 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
         for w in workloads:
             result = Result(sol.name, w, PASSED)
             try:
-                pristine = load_inputs(defn, w, device)
+                pristine = load_inputs(defn, w, device, root)
             except HarnessError as e:
                 result.status, result.log = RUNTIME_ERROR, f"workload: {e}"
             else:

@@ -70,3 +70,27 @@ def test_table_shows_the_floor_and_the_ratio_when_timed():
     rows = {line.split()[0]: line.split() for line in run.table([timed, untimed]).splitlines()[2:]}
     assert rows["fast"][5:8] == ["100.0", "25.0", "4.00"]
     assert rows["cpu"][5:8] == ["-", "-", "-"]
+
+
+def test_seed_judges_fresh_inputs_and_leaves_the_workloads_alone(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+    from harness.workloads import load_workloads, select, workloads_path
+    defn = find_definition(DEFINITION)
+    committed = workloads_path(defn).read_bytes()
+    seen = []
+    evaluate = run.evaluate
+
+    def spy(defn, sol, workloads, device, *args, root=".", **kwargs):
+        seen.extend((w, (Path(root) / w.blob).exists()) for w in workloads)
+        return evaluate(defn, sol, workloads, device, *args, root=root, **kwargs)
+    monkeypatch.setattr(run, "evaluate", spy)
+    code = run.main(["--solution", "torch_v1", "--device", "cpu", "--batch-sizes", "1", "--families", "edge",
+                     "--seed", "7", "--traces", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and " PASSED " in out and "fresh inputs from base seed 7" in out, out
+    [(fresh, blob_written)] = seen
+    [original] = select(load_workloads(defn), (1,), ("edge",))
+    assert blob_written and fresh.family == "edge" and fresh.axes == original.axes
+    assert fresh.seed != original.seed and fresh.sha256 != original.sha256
+    assert workloads_path(defn).read_bytes() == committed
+    assert not any(tmp_path.iterdir())                                       # fresh inputs write no traces
