@@ -19,8 +19,8 @@
 //  2. Subspace iteration from the registers: S^T q0 in fp32 on CUDA cores (column partials reduced across the 8
 //     lanes of a column by a shuffle reduce-scatter, then across the 4 row-warps in shared memory); CGS2 in warp 0
 //     (as accurate as the reference's MGS2; norm clamp 1e-30); S qk on tf32 tensor cores (3xTF32, the accumulator
-//     tiles are A fragments as they stand); CGS2; S^T qv on bf16 tensor cores (hi + lo pairs, the tiles transposed
-//     by movmatrix). u_new, q_new rounded to fp16.
+//     tiles are A fragments as they stand); CGS2; S^T qv on tf32 tensor cores (3xTF32, the tiles' 8 x 8 blocks
+//     transposed by movmatrix on their 16-bit halves). u_new, q_new rounded to fp16.
 //  3. Residual E = S - q_new^T u_new by one fp16 m16n8k8 mma per tile (exact fp16 products onto the fp32 state),
 //     s_k = sqrt(mean_v |E|), s_v = max_k |E| / s_k (clamped 1e-12), codes = round-half-even(E / (s_k s_v) * 127)
 //     by the 1.5 * 2^23 magic add in one FFMA (|value| <= 127 by construction, see NOTES.md), packed 16 bytes per
@@ -219,6 +219,17 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   uint32_t y;
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
+}
+
+// The 8 x 8 block of fp32 values that thread (g, t) holds as row g, columns 2 t and 2 t + 1 (an m16n8 accumulator's
+// half), transposed: thread (g, t) gets column g, rows 2 t and 2 t + 1. movmatrix moves 16-bit halves, so the low
+// and the high halves go separately.
+__device__ __forceinline__ void movmatrix_trans32(float x0, float x1, float& y0, float& y1) {
+  const uint32_t a = __float_as_uint(x0), b = __float_as_uint(x1);
+  const uint32_t lo = movmatrix_trans(__byte_perm(a, b, 0x5410u));
+  const uint32_t hi = movmatrix_trans(__byte_perm(a, b, 0x7632u));
+  y0 = __uint_as_float(__byte_perm(lo, hi, 0x5410u));
+  y1 = __uint_as_float(__byte_perm(lo, hi, 0x7632u));
 }
 
 // fp32 = tf32 part (the low 13 bits cleared, exact) + the rest (exact; the tensor core keeps its top 11 bits)
@@ -659,45 +670,45 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   __syncthreads();                                                                                   // #5
   STAMP(6);
 
-  // u = S^T qv on bf16 tensor cores: S and qv as hi + lo pairs (S_lo qv_lo comes free with the N = 8 of
-  // [qv_hi | qv_lo]); the checkpoint is insensitive to its precision (the same worst-head ratios as in fp32). A
-  // 16 x 8 accumulator tile transposed by two movmatrix is half an A fragment of S^T (rows k, columns v); the warp's
-  // 32 rows v are summed over its two m-tiles, the 4 row-warps by the consumer through red[wr][k][j].
+  // u = S^T qv on tf32 tensor cores (3xTF32, as S qk: S and qv each as a tf32 part + the rest, the N = 8 of
+  // [part | rest] giving the fourth product free). Its precision reaches the tokens through u_new's fp16 rounding:
+  // bf16 hi + lo pairs of S (16 bits) left a decayed edge head on either side of 1.01 by the summation order of
+  // S^T q0 alone. An 8 x 8 block of accumulator values transposed by movmatrix_trans32 is a quarter of an m16n8k8
+  // A fragment of S^T (rows k, columns v); the warp's 32 rows v are 4 k-steps of 8, the 4 row-warps summed by the
+  // consumer through red[wr][k][j].
   {
-    // B[v][n]: v = 16 mt + 2 t (+1, +8, +9) of the warp's rows; column n < 4 the bf16 hi of qv_n, n >= 4 the lo
-    // of qv_{n-4}
-    uint32_t bx[2][2];
+    // B[kk][n]: kk = t <-> v = 32 wr + 16 mt + 8 h + 2 t, kk = t + 4 <-> v + 1 (the order the transposed blocks
+    // come in); column n < 4 the tf32 part of qv_n, n >= 4 the rest of qv_{n-4}
+    uint32_t bx[2][2][2];
     const int tx = fresh_tid();                      // the row address afresh: kept from stage 1, it spilled
     const float* xr0 = &sm.qvf[(tx >> 2) & 3][32 * (tx >> 6) + 2 * (tx & 3)];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const float* xr = xr0 + 16 * mt;
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float2 x = *reinterpret_cast<const float2*>(xr + 8 * e);
-        uint32_t hi, lo;
-        split2_pair(x.x, x.y, hi, lo);
-        bx[mt][e] = g < 4 ? hi : lo;
+      for (int h = 0; h < 2; ++h) {
+        const float2 x = *reinterpret_cast<const float2*>(xr0 + 16 * mt + 8 * h);
+        bx[mt][h][0] = g < 4 ? tf32_part(x.x) : tf32_rest(x.x);
+        bx[mt][h][1] = g < 4 ? tf32_part(x.y) : tf32_rest(x.y);
       }
-    }
 #pragma unroll
     for (int np = 0; np < 4; ++np) {                 // A rows 0-7: the columns of n-tile 2 np, rows 8-15: 2 np + 1
       float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        uint32_t ahi[4], alo[4];
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {                // i: (n-tile 2 np + (i & 1), accumulator rows 8 (i >> 1) + g)
-          const float* c = &acc[mt][2 * np + (i & 1)][2 * (i >> 1)];
-          uint32_t hi, lo;
-          split2_pair(c[0], c[1], hi, lo);
-          ahi[i] = movmatrix_trans(hi);
-          alo[i] = movmatrix_trans(lo);
+        for (int h = 0; h < 2; ++h) {
+          float y[2][2];                             // [n-tile 2 np + i][row 2 t + e of the 8 rows (mt, h)]
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float* c = &acc[mt][2 * np + i][2 * h];
+            movmatrix_trans32(c[0], c[1], y[i][0], y[i][1]);
+          }
+          mma_tf32_k8(d, tf32_rest(y[0][0]), tf32_rest(y[1][0]), tf32_rest(y[0][1]), tf32_rest(y[1][1]),
+                      bx[mt][h][0], bx[mt][h][1]);
+          mma_tf32_k8(d, tf32_part(y[0][0]), tf32_part(y[1][0]), tf32_part(y[0][1]), tf32_part(y[1][1]),
+                      bx[mt][h][0], bx[mt][h][1]);
         }
-        mma_bf16_k16(d, alo, bx[mt][0], bx[mt][1]);
-        mma_bf16_k16(d, ahi, bx[mt][0], bx[mt][1]);
-      }
-      // columns n = 2 t, 2 t + 1: the qv_hi part of u_n for t < 2, the qv_lo part of u_{n-4} for t >= 2
+      // columns n = 2 t, 2 t + 1: the qv part's share of u_n for t < 2, the rest's share of u_{n-4} for t >= 2
 #pragma unroll
       for (int i = 0; i < 4; ++i) d[i] += __shfl_xor_sync(FULL, d[i], 2);
       if (t < 2) {
