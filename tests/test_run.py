@@ -1,5 +1,6 @@
 """The CLI as users call it: every solution folder passes every family on CPU, and bad input exits cleanly."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -7,6 +8,7 @@ from conftest import DEFINITION
 from harness import run
 from harness.definition import find_definition
 from harness.solutions import discover, load_solution, source_sha256
+from harness.workloads import load_workloads, select, workloads_path
 
 SOLUTIONS = discover(find_definition(DEFINITION))
 
@@ -73,8 +75,6 @@ def test_table_shows_the_floor_and_the_ratio_when_timed():
 
 
 def test_seed_judges_fresh_inputs_and_leaves_the_workloads_alone(tmp_path, monkeypatch, capsys):
-    from pathlib import Path
-    from harness.workloads import load_workloads, select, workloads_path
     defn = find_definition(DEFINITION)
     committed = workloads_path(defn).read_bytes()
     seen = []
