@@ -84,8 +84,9 @@ struct __align__(16) Smem {
   int due_in_warp[NTHREADS / 32];
   int n_due;
   alignas(16) float qvf[R][V + 8];   // qv in fp32, vector-major (rows 8 banks apart): warp 0 hands it on in 4
-                                     // conflict-free float4 stores; S^T qv's lanes split their own values into bf16
-                                     // hi / lo, and every thread rounds two into q_new, off warp 0's path
+                                     // conflict-free float4 stores; S^T qv's lanes split their own values into a
+                                     // tf32 part and the rest, and every thread rounds two into q_new, off warp 0's
+                                     // path
   uint32_t qn16[V][2];     // q_new^T as fp16 pairs (r 0,1 | r 2,3)
   uint32_t un16[UN16];     // -u_new^T as fp16 pairs (r 0,1 | r 2,3) at un16_at(k, pair)
 };
