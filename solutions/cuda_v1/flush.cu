@@ -383,57 +383,6 @@ __device__ __forceinline__ void cgs2(float (&a)[4][4]) {
   cgs2_column<3>(a, r);
 }
 
-// A Cholesky pivot below this share of its column's squared norm (kappa above ~100) sends the head to CGS2.
-constexpr float CHOLQR_MIN_PIVOT = 1e-4f;
-
-// One pass of CholeskyQR in fp32 on the 4 columns of a [128, 4] matrix held by one warp (as cgs2): the Gram matrix
-// in one round of warp sums, G = L L^T, each row solved against L^T (x = y L^T). The result spans the same nested
-// column spaces (X = Q R to rounding) but loses ~ eps kappa^2 of orthogonality. Returns false, a untouched, where a
-// pivot is below min_pivot of its diagonal (or the remainder below the reference's 1e-30 norm clamp); the decision
-// is warp-uniform, since every lane holds the same Gram matrix after the butterfly.
-__device__ __forceinline__ bool cholqr_pass(float (&a)[4][4], float min_pivot) {
-  float g[10] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};   // g00 g01 g02 g03 g11 g12 g13 g22 g23 g33
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float x0 = a[i][0], x1 = a[i][1], x2 = a[i][2], x3 = a[i][3];
-    g[0] = fmaf(x0, x0, g[0]); g[1] = fmaf(x0, x1, g[1]); g[2] = fmaf(x0, x2, g[2]); g[3] = fmaf(x0, x3, g[3]);
-    g[4] = fmaf(x1, x1, g[4]); g[5] = fmaf(x1, x2, g[5]); g[6] = fmaf(x1, x3, g[6]);
-    g[7] = fmaf(x2, x2, g[7]); g[8] = fmaf(x2, x3, g[8]);
-    g[9] = fmaf(x3, x3, g[9]);
-  }
-  warp_sums(g);
-  const float p0 = g[0];
-  const float d0 = rsqrtf(p0);
-  const float l10 = g[1] * d0, l20 = g[2] * d0, l30 = g[3] * d0;
-  const float p1 = fmaf(-l10, l10, g[4]);
-  const float d1 = rsqrtf(p1);
-  const float l21 = fmaf(-l20, l10, g[5]) * d1, l31 = fmaf(-l30, l10, g[6]) * d1;
-  const float p2 = fmaf(-l21, l21, fmaf(-l20, l20, g[7]));
-  const float d2 = rsqrtf(p2);
-  const float l32 = fmaf(-l31, l21, fmaf(-l30, l20, g[8])) * d2;
-  const float p3 = fmaf(-l32, l32, fmaf(-l31, l31, fmaf(-l30, l30, g[9])));
-  const float d3 = rsqrtf(p3);
-  const bool ok = p0 > 1e-30f && p1 > fmaxf(min_pivot * g[4], 1e-30f) && p2 > fmaxf(min_pivot * g[7], 1e-30f) &&
-                  p3 > fmaxf(min_pivot * g[9], 1e-30f);
-  if (!ok) return false;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float y0 = a[i][0] * d0;
-    const float y1 = fmaf(-l10, y0, a[i][1]) * d1;
-    const float y2 = fmaf(-l21, y1, fmaf(-l20, y0, a[i][2])) * d2;
-    const float y3 = fmaf(-l32, y2, fmaf(-l31, y1, fmaf(-l30, y0, a[i][3]))) * d3;
-    a[i][0] = y0; a[i][1] = y1; a[i][2] = y2; a[i][3] = y3;
-  }
-  return true;
-}
-
-// The first orthonormalisation only has to hand S a well-conditioned basis of the nested spans of S^T q0's columns:
-// CGS2 of S qk T equals CGS2 of S qk for any upper-triangular T. One CholeskyQR pass gives one (loss of
-// orthogonality below 1e-3 up to kappa ~ 100) in one round of warp sums instead of CGS2's four.
-__device__ __forceinline__ void conditioned_basis(float (&a)[4][4]) {
-  if (!cholqr_pass(a, CHOLQR_MIN_PIVOT)) cgs2(a);
-}
-
 // Warp 0's input to an orthonormalisation: rows 4 lane + i of the [128, 4] matrix, summed in order over the N
 // per-warp partials that red holds vector-major, [N][j][PART].
 template <int N>
@@ -660,7 +609,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   if (warp == 0) {
     float a[4][4];
     sum_partials<4>(sm.red, lane, a);                  // the 4 row-warps' column partials of S^T q0
-    conditioned_basis(a);
+    cgs2(a);
 #pragma unroll
     for (int n = 0; n < R; ++n) {
       uint4 part, rest;
