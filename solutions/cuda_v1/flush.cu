@@ -78,7 +78,8 @@ struct __align__(16) Smem {
   float cs[K];             // s_k / 127 * exp(pcum)
   float isk[K];            // 1 / s_k_new
   float4 q0p[4][V];        // q0 rows, components permuted: q0p[m][v] holds q0[v][p ^ m] at p (the lanes of
-                           // S^T q0 with g & 3 = m read theirs, so that the reduce-scatter needs no selects)
+                           // S^T q0 with (g >> 1) & 3 = m read theirs, so that the reduce-scatter's vector levels
+                           // need no selects)
   float zs[8][K + 4];      // qk as tf32 B operands of S qk: row n < 4 the tf32 part of qk_n, n >= 4 the rest
   int2 due[NTHREADS];      // deployment form: this round's due programs (Records)
   int due_in_warp[NTHREADS / 32];
@@ -567,23 +568,24 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 
   // ---- 2. subspace iteration -------------------------------------------------------------------------------------
   // S^T q0 in fp32 on CUDA cores: column partials over this lane's 4 rows, reduce-scattered over the 8 lanes g of a
-  // column (lane keeps column colbase + 2 nt + (g >> 2), vector g & 3), into red[wr][j][k]. Its precision decides
-  // qk, and through it the tokens: a bf16 hi + lo form of S here moved the worst-head ratio from 1.004 to 1.009.
-  // The lane's vectors come in the order j ^ (g & 3): the half it keeps at each of the last two levels is then its
-  // first half, and the partner's matching values sit in the partner's second half.
+  // column (lane keeps vector (g >> 1) & 3 of column colbase + 2 nt + (g & 1)), into red[wr][j][k]. Its precision
+  // decides qk, and through it the tokens: a bf16 hi + lo form of S here moved the worst-head ratio from 1.004 to
+  // 1.009. The lane's vectors come in the order j ^ ((g >> 1) & 3): at the first two levels (vector halves) the half
+  // it keeps is then its first half and the partner's matching values sit in the partner's second half, so only the
+  // last level (the column pair) needs selects.
   {
-    float xr[4][4];                                  // xr[ri][p]: q0 vector p ^ (g & 3) at row row_of(ri)
+    float xr[4][4];                                  // xr[ri][p]: q0 vector p ^ ((g >> 1) & 3) at row row_of(ri)
 #pragma unroll
     for (int ri = 0; ri < 4; ++ri) {
-      const float4 x4 = sm.q0p[g & 3][row_of(ri)];
+      const float4 x4 = sm.q0p[(g >> 1) & 3][row_of(ri)];
       xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
     }
-    const bool u2 = (g >> 2) & 1;
-    // red + (wr R + (g & 3)) PART + colbase + (g >> 2), from a fresh %tid.x (derived from tid, the deployment form
-    // spilled)
+    const bool odd = g & 1;
+    // red + (wr R + ((g >> 1) & 3)) PART + colbase + (g & 1), from a fresh %tid.x (derived from tid, the deployment
+    // form spilled)
     const int fx = fresh_tid();
-    float* redp = sm.red + ((fx >> 6) * R + ((fx >> 2) & 3)) * PART + 64 * ((fx >> 5) & 1) + 16 * (fx & 3) +
-                  ((fx >> 4) & 1);
+    float* redp = sm.red + ((fx >> 6) * R + ((fx >> 3) & 3)) * PART + 64 * ((fx >> 5) & 1) + 16 * (fx & 3) +
+                  ((fx >> 2) & 1);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       float pv[8];
@@ -597,11 +599,17 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
           s = fmaf(acc[1][nt][2 + e], xr[3][j], s);
           pv[4 * e + j] = s;
         }
-      rs_level<8>(pv, u2, 16);
-      pv[0] += __shfl_xor_sync(FULL, pv[2], 8);      // lane ^ 8 has g & 3 one bit 1 apart: its p + 2 is our p
-      pv[1] += __shfl_xor_sync(FULL, pv[3], 8);
-      pv[0] += __shfl_xor_sync(FULL, pv[1], 4);      // lane ^ 4: bit 0 apart, its p = 1 is our p = 0
-      redp[2 * nt] = pv[0];                          // red[wr][g & 3][colbase + 2 nt + (g >> 2)]
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {                  // lane ^ 16: its (g >> 1) & 3 is ours ^ 2, its p + 2 our p
+        pv[4 * e] += __shfl_xor_sync(FULL, pv[4 * e + 2], 16);
+        pv[4 * e + 1] += __shfl_xor_sync(FULL, pv[4 * e + 3], 16);
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e)                    // lane ^ 8: ours ^ 1, its p = 1 is our p = 0
+        pv[4 * e] += __shfl_xor_sync(FULL, pv[4 * e + 1], 8);
+      const float send = odd ? pv[0] : pv[4];        // lane ^ 4: the other column of the pair
+      pv[0] = (odd ? pv[4] : pv[0]) + __shfl_xor_sync(FULL, send, 4);
+      redp[2 * nt] = pv[0];                          // red[wr][(g >> 1) & 3][colbase + 2 nt + (g & 1)]
     }
   }
   __syncthreads();                                                                                   // #2
