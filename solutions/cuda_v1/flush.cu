@@ -57,10 +57,10 @@ constexpr int UN16 = 2 * K + 4 * (K / 16);
 __device__ __forceinline__ int un16_at(int k, int pair) { return 2 * k + pair + 4 * (k >> 4); }
 static_assert(4 * R * PART <= 4 * UPART, "red holds the orthonormalisations' partials");
 
-// One program's inputs, brought in by bulk copies (the TMA engine) while the CTA computes the previous program: the
-// checkpoint's and the window's fields as they lie in global memory.
+// One program's inputs, brought in by cp.async while the CTA computes the previous program.
 struct __align__(16) Stage {
-  uint4 codes[V][K / 16];  // 16 KB
+  uint4 codes[V][K / 16];  // row v, 16-byte chunk c stored at c ^ 4 (v & 1): a quarter-warp's 8 row reads are
+                           // conflict-free (16 KB)
   uint4 ubuf[L][V / 8];
   uint4 kbuf[L][K / 8];
   uint4 gbuf[L][K / 8];
@@ -90,8 +90,6 @@ struct __align__(16) Smem {
                                      // path
   uint32_t qn16[V][2];     // q_new^T as fp16 pairs (r 0,1 | r 2,3)
   uint32_t un16[UN16];     // -u_new^T as fp16 pairs (r 0,1 | r 2,3) at un16_at(k, pair)
-  uint64_t staged;         // mbarrier: the staging area's copies have landed (one phase a program)
-  uint32_t staged_phase;   // the parity of the phase the next program waits for
 };
 
 // chunk c (v in [8c, 8c + 8)) of row j of the staged A^T
@@ -101,28 +99,11 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// The staging copies: one thread issues them, every thread waits on the mbarrier that counts their bytes.
-constexpr int STAGER = NTHREADS - 32;              // lane 0 of warp 7 (warp 0 runs the orthonormalisations)
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(bar)) : "memory");
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem_dst)), "l"(gmem_src) : "memory");
 }
-__device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
-}
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global into this CTA's shared memory, counted on bar
-__device__ __forceinline__ void bulk_copy(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(smem_u32(smem_dst)), "l"(gmem_src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // %tid.x read afresh: addresses derived from it are recomputed where they are used instead of being kept alive
 // (and spilled) across the whole loop body
@@ -156,35 +137,36 @@ __device__ __forceinline__ const T* at_bytes(const void* base, size_t offset) {
   return reinterpret_cast<const T*>(static_cast<const char*>(base) + offset);
 }
 
-// Issue the copies of a program's inputs into the staging area (thread STAGER only: 10 or 16 bulk copies).
+// Issue the copies of a program's inputs into the staging area (7 or 8 16-byte copies per thread).
 template <bool POOL>
-__device__ __forceinline__ void prefetch_program(const FlushParams& p, Smem& sm, Records rec) {
-  if (fresh_tid() != STAGER) return;
-  Stage& st = sm.st;
+__device__ __forceinline__ void prefetch_program(const FlushParams& p, Stage& st, Records rec) {
+  const int tid = fresh_tid();
   const size_t win = static_cast<size_t>(rec.win);
-  // the staging area was last read through the generic proxy (all of it before barrier #1); the copies write it
-  // through the async proxy
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  mbar_expect_bytes(&sm.staged, sizeof(Stage));
-  bulk_copy(st.codes, at_bytes<char>(p.codes, ck_offset<POOL>(rec.ck, V * K)), sizeof(st.codes), &sm.staged);
-  bulk_copy(st.ubuf, static_cast<const uint4*>(p.ubuf) + win * (L * V / 8), sizeof(st.ubuf), &sm.staged);
-  bulk_copy(st.kbuf, static_cast<const uint4*>(p.kbuf) + win * (L * K / 8), sizeof(st.kbuf), &sm.staged);
-  bulk_copy(st.gbuf, static_cast<const uint4*>(p.gbuf) + win * (L * K / 8), sizeof(st.gbuf), &sm.staged);
-  const size_t tokens = ck_offset<POOL>(rec.ck, 2 * R * K);
-  if constexpr (POOL) {                            // the pool's token rows are u | q, K + V apart: a copy a row
+  const uint4* codes = at_bytes<uint4>(p.codes, ck_offset<POOL>(rec.ck, V * K));
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      bulk_copy(st.u[r], at_bytes<char>(p.u, tokens + 2 * r * token_row<POOL>()), sizeof(st.u[r]), &sm.staged);
-      bulk_copy(st.q[r], at_bytes<char>(p.q, tokens + 2 * r * token_row<POOL>()), sizeof(st.q[r]), &sm.staged);
-    }
-  } else {
-    bulk_copy(st.u, at_bytes<char>(p.u, tokens), sizeof(st.u), &sm.staged);
-    bulk_copy(st.q, at_bytes<char>(p.q, tokens), sizeof(st.q), &sm.staged);
+  for (int n = 0; n < 4; ++n) {
+    const int i = tid + NTHREADS * n, v = i >> 3, c = i & 7;
+    cp_async16(&st.codes[v][c ^ ((v & 1) << 2)], codes + i);
   }
-  bulk_copy(st.s_k, at_bytes<char>(p.s_k, ck_offset<POOL>(rec.ck, 4 * K)), sizeof(st.s_k), &sm.staged);
-  bulk_copy(st.s_v, at_bytes<char>(p.s_v, ck_offset<POOL>(rec.ck, 4 * V)), sizeof(st.s_v), &sm.staged);
-  bulk_copy(st.pcum, p.pcum + win * K, sizeof(st.pcum), &sm.staged);
-  bulk_copy(st.w, p.w + win * L, sizeof(st.w), &sm.staged);
+  cp_async16(&st.ubuf[0][0] + tid, static_cast<const uint4*>(p.ubuf) + win * (L * V / 8) + tid);
+  cp_async16(&st.kbuf[0][0] + tid, static_cast<const uint4*>(p.kbuf) + win * (L * K / 8) + tid);
+  cp_async16(&st.gbuf[0][0] + tid, static_cast<const uint4*>(p.gbuf) + win * (L * K / 8) + tid);
+  if (tid < 128) {                              // the 4 token rows of u (tid < 64), then of q: 16 chunks a row
+    const int i = tid & 63, row = i >> 4, c = i & 15;
+    const void* base = tid < 64 ? p.u : p.q;
+    const uint4* src = at_bytes<uint4>(base, ck_offset<POOL>(rec.ck, 2 * R * K) + 2 * row * token_row<POOL>());
+    cp_async16((tid < 64 ? &st.u[0][0] : &st.q[0][0]) + i, src + c);
+  } else {                                      // 32 chunks each of s_k, s_v, pcum, then the 4 of w
+    const int i = (tid - 128) & 31;
+    auto chunk = [&](float* dst, const void* src) {
+      cp_async16(reinterpret_cast<uint4*>(dst) + i, static_cast<const uint4*>(src) + i);
+    };
+    if (tid < 160) chunk(st.s_k, at_bytes<float>(p.s_k, ck_offset<POOL>(rec.ck, 4 * K)));
+    else if (tid < 192) chunk(st.s_v, at_bytes<float>(p.s_v, ck_offset<POOL>(rec.ck, 4 * V)));
+    else if (tid < 224) chunk(st.pcum, p.pcum + win * K);
+    else if (tid < 228) chunk(st.w, p.w + win * L);
+  }
+  cp_async_commit();
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
@@ -443,10 +425,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   auto row_of = [&](int ri) { return 32 * wr + 16 * (ri >> 1) + 8 * (ri & 1) + g; };
 
   STAMP(0);
-  mbar_wait(&sm.staged, sm.staged_phase);
+  cp_async_wait_all();
   __syncthreads();                                                                                   // #0
   STAMP(1);
-  if (tid == STAGER) sm.staged_phase ^= 1;           // every thread has read it (before #0)
 
   // ---- 0. from the staging area: codes rows (16 B per row), s_v; A^T (ubuf, hi / lo of q) -----------------------
   const Stage& st = sm.st;
@@ -455,7 +436,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
     const int v = row_of(ri);
-    cw[ri] = st.codes[v][colbase >> 4];
+    cw[ri] = st.codes[v][(colbase >> 4) ^ ((v & 1) << 2)];
     svr[ri] = st.s_v[v];
   }
   {
@@ -478,8 +459,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     const uint16_t* kbuf = reinterpret_cast<const uint16_t*>(st.kbuf);
     const uint16_t* gbuf = reinterpret_cast<const uint16_t*>(st.gbuf);
     const uint16_t* u = reinterpret_cast<const uint16_t*>(st.u);
-    const int bt = fresh_tid();                      // tid afresh: the addresses below were kept (spilled)
-    const int idx = bt & 127, half = bt >> 7;
+    const int idx = tid & 127, half = tid >> 7;
     // a permutation of the columns so that 8 consecutive lanes store to 8 distinct 16-byte bank groups
     const int k = (idx & 1) | (((idx >> 1) & 3) << 4) | (((idx >> 3) & 7) << 1) | ((idx >> 6) << 6);
     const int sw = (k >> 4) & 3;
@@ -523,7 +503,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   }
   __syncthreads();                                                                                   // #1
   STAMP(2);
-  if (has_next) prefetch_program<POOL>(p, sm, next);
+  if (has_next) prefetch_program<POOL>(p, sm.st, next);
   if (POOL) {
     // reset the window (its staged copy is complete): w = 0, pcum = 0, gbuf = 1
     const size_t win = static_cast<size_t>(rec.win);
@@ -899,14 +879,9 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
       sm.q0p[3][tid] = make_float4(x.w, x.z, x.y, x.x);
     }
   };
-  if (tid == STAGER) {
-    mbar_init(&sm.staged);
-    sm.staged_phase = 0;
-  }
-  __syncthreads();
   if constexpr (!POOL) {
     load_q0();
-    prefetch_program<POOL>(p, sm, Records{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.x)});
+    prefetch_program<POOL>(p, sm.st, Records{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.x)});
     for (int prog = blockIdx.x; prog < p.n_programs; prog += stride) {
       const int next = prog + stride;
       flush_program<POOL>(p, sm, Records{prog, prog}, Records{next, next}, next < p.n_programs);
@@ -941,7 +916,7 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
     if (n_due == 0) continue;
     load_q0();                                         // only when there is work: none due stays two loads a thread
     auto due_records = [&](int i) { const int2 r = sm.due[i]; return Records{r.x, r.y}; };
-    prefetch_program<POOL>(p, sm, due_records(0));
+    prefetch_program<POOL>(p, sm.st, due_records(0));
     // the count is re-read from shared memory each time rather than held (and spilled) over the flush
     for (int i = 0; i < sm.n_due; ++i) {
       const bool more = i + 1 < sm.n_due;
