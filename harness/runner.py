@@ -47,11 +47,15 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[:400]}{where}"
 
 
-def _worker(conn, sol: Solution, defn: Definition, env: dict) -> None:
+def _worker(conn, sol: Solution, defn: Definition, env: dict, cpu: bool) -> None:
     """Child process: load the solution, then answer ("run", inputs, axes) with its outputs and
     ("time", inputs, axes, batched, n_prefix, perms, samples) with timing.time_calls' results (tensors sent back
     on the CPU)."""
     os.environ.update(env)
+    if cpu:
+        # one intra-op thread: with more, torch's CPU matmuls in a worker came out with other roundings in about one
+        # start in ten, enough to flip a sensitive edge head across the criterion from one identical run to the next
+        torch.set_num_threads(1)
     timing.guard()
     try:
         fn = load_entry(sol, defn)
@@ -95,6 +99,7 @@ class Worker:
 
     def __init__(self, sol: Solution, defn: Definition, device: str, timeout_s: float):
         self.sol, self.defn, self.timeout_s = sol, defn, timeout_s
+        self.cpu = device == "cpu"
         self.env = {"TRITON_INTERPRET": "1"} if device == "cpu" and sol.language == "triton" else {}
         self.proc = None
         self.load_error: str | None = None
@@ -102,7 +107,7 @@ class Worker:
     def start(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, self.sol, self.defn, self.env), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(child, self.sol, self.defn, self.env, self.cpu), daemon=True)
         self.proc.start()
         child.close()
         status, payload = self._receive(self.timeout_s, "loading")

@@ -57,6 +57,16 @@ def test_hang_times_out_and_the_next_workload_still_runs(defn, tmp_path):
     assert "no answer within 8 s" in results[0].log
 
 
+def test_cpu_worker_runs_one_intra_op_thread(defn, small, tmp_path):
+    """CPU verdicts repeat from run to run: a multi-threaded CPU matmul in a worker rounded differently in about one
+    start in ten (torch_v1, edge B=1: worst-head ratio 1.0004 or 1.0443)."""
+    make_solution(tmp_path, "threads", "import torch\nfrom flush import run as flush\n\ndef run(*x):\n"
+                  "    assert torch.get_num_threads() == 1, f'{torch.get_num_threads()} threads'\n"
+                  "    return flush(*x)\n")
+    [result] = runner.evaluate(defn, load_solution("threads", defn, tmp_path), small, "cpu", timeout_s=60)
+    assert result.status == runner.PASSED, result.log
+
+
 def test_compile_error_loads_once(defn, tmp_path):
     make_solution(tmp_path, "broken", "raise ImportError('no such toolchain')\n")
     worker = runner.Worker(load_solution("broken", defn, tmp_path), defn, "cpu", timeout_s=60)
