@@ -607,8 +607,8 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 #pragma unroll
       for (int e = 0; e < 2; ++e)                    // lane ^ 8: ours ^ 1, its p = 1 is our p = 0
         pv[4 * e] += __shfl_xor_sync(FULL, pv[4 * e + 1], 8);
-      const float send = odd ? pv[0] : pv[4];        // lane ^ 4: the other column of the pair
-      pv[0] = (odd ? pv[4] : pv[0]) + __shfl_xor_sync(FULL, send, 4);
+      pv[1] = pv[4];                                 // lane ^ 4: the other column of the pair
+      rs_level<2>(pv, odd, 4);
       redp[2 * nt] = pv[0];                          // red[wr][(g >> 1) & 3][colbase + 2 nt + (g & 1)]
     }
   }
