@@ -47,17 +47,15 @@ constexpr unsigned FULL = 0xffffffffu;
 // 4 mod 32 banks apart, so that its lanes' float4 reads of 4 consecutive rows are conflict-free and the producers'
 // scalar stores conflict at most 2-way (a row-major [warp][row][j] layout conflicted 4-way on both sides)
 constexpr int PART = K + 4;
-// S^T in shared memory as 16-byte quads, for S^T qv: quad (kp, v) (v with bit 3 clear) holds S at (v, 2 kp),
-// (v, 2 kp + 1), (v + 8, 2 kp), (v + 8, 2 kp + 1). That is what a lane holds of one accumulator tile (so it stores
-// it as one vector) and, with the rows of S^T renamed (A row g <-> k = 2 kp, row g + 8 <-> 2 kp + 1) and its
-// columns (A column t <-> v, t + 4 <-> v + 8), one tf32 A fragment (so a lane reads it as one vector). Quad (kp, v)
-// sits at kp * 64 + (vq(v) ^ st_swizzle(kp)), vq(v) = 8 (v >> 4) + (v & 7); the XOR of the low 3 bits puts the 8
-// lanes of a quarter-warp in 8 distinct bank groups on both sides.
-__device__ __forceinline__ int st_swizzle(int kp) { return (4 * (kp & 1)) ^ (2 * ((kp >> 3) & 3)); }
+// S^T qv's per-warp partials [warp][k][j] with 8 floats of padding after every 16 k: the 16 storing lanes of a
+// warp (k = 16 (g >> 1) + 2 n + (g & 1) + const, j = 2 t, 2 t + 1) hit 32 distinct banks
+constexpr int UPART = 4 * K + 8 * (K / 16);
+__device__ __forceinline__ int upart_at(int k) { return 4 * k + 8 * (k >> 4); }
 // -u_new^T pairs with 4 words of padding after every 16 k, so that the residual's B-fragment reads (k = 16 (g >> 1)
 // + 2 nt + (g & 1) + const) are conflict-free
 constexpr int UN16 = 2 * K + 4 * (K / 16);
 __device__ __forceinline__ int un16_at(int k, int pair) { return 2 * k + pair + 4 * (k >> 4); }
+static_assert(4 * R * PART <= 4 * UPART, "red holds the orthonormalisations' partials");
 
 // One program's inputs, brought in by cp.async while the CTA computes the previous program.
 struct __align__(16) Stage {
@@ -73,45 +71,29 @@ struct __align__(16) Stage {
 
 struct __align__(16) Smem {
   Stage st;                // 32,320 B
-  // One region, three lives: the rebuild's factors; then S^T, from the rebuild to S^T qv (the registers keep S for
-  // S qk and the residual); then the tail's scratch
-  union __align__(16) {
-    struct {
-      uint4 bsm[3][K][4];  // B as bf16, per split: [k][chunk of 8 j], chunk swizzled by (k >> 4) & 3 (24 KB)
-      uint4 asm_[24][V / 8];   // A^T as bf16: rows j < 16 ubuf_j, 16-19 hi(q_r), 20-23 lo(q_r); [j][chunk of 8 v],
-                               // chunk swizzled by j & 7 so that ldmatrix's 8 rows hit 8 bank groups (6 KB)
-      float cs[K];         // s_k / 127 * exp(pcum)
-      float4 q0p[4][V];    // q0 rows, components permuted: q0p[m][v] holds q0[v][p ^ m] at p (the lanes of
+  uint4 bsm[3][K][4];      // B as bf16, per split: [k][chunk of 8 j], chunk swizzled by (k >> 4) & 3 (24 KB)
+  uint4 asm_[24][V / 8];   // A^T as bf16: rows j < 16 ubuf_j, 16-19 hi(q_r), 20-23 lo(q_r); [j][chunk of 8 v],
+                           // chunk swizzled by j & 7 so that ldmatrix's 8 rows hit 8 bank groups (6 KB)
+  float red[4 * UPART];    // reduction scratch (9 KB), reused by every stage
+  float cs[K];             // s_k / 127 * exp(pcum)
+  float isk[K];            // 1 / s_k_new
+  float4 q0p[4][V];        // q0 rows, components permuted: q0p[m][v] holds q0[v][p ^ m] at p (the lanes of
                            // S^T q0 with (g >> 1) & 3 = m read theirs, so that the reduce-scatter's vector levels
-                           // need no selects); rewritten by every program, since S^T takes the region
-    } f;
-    float4 st_q[K / 2][V / 2];   // S^T as quads (st_swizzle) (64 KB)
-    struct {
-      float ksum[4][K];    // s_k's column sums of |E|, one row per row-warp
-      float rmax[2][V];    // s_v's row maxima of |E| / s_k, one row per column-warp
-      float isk[K];        // 1 / s_k_new
-    } tl;
-  } u;
-  union __align__(16) {
-    float part[4 * R * PART];   // S^T q0's row-warp partials [wr][j][PART], then S qk's column-warp ones
-    struct {
-      uint32_t qn16[V][2];      // q_new^T as fp16 pairs (r 0,1 | r 2,3)
-      uint32_t un16[UN16];      // -u_new^T as fp16 pairs (r 0,1 | r 2,3) at un16_at(k, pair)
-    } tok;
-  } red;
-  union __align__(16) {
-    float zs[8][K + 4];    // qk as tf32 B operands of S qk: row n < 4 the tf32 part of qk_n, n >= 4 the rest
-    float qvx[8][V + 8];   // qv as the B operand of S^T qv: row n < 4 the tf32 part of qv_n, n >= 4 the rest
-                           // (part + rest = qv exactly; rows 8 banks apart)
-  } vec;
-  float4 q0[V];            // q0 rows
+                           // need no selects)
+  float zs[8][K + 4];      // qk as tf32 B operands of S qk: row n < 4 the tf32 part of qk_n, n >= 4 the rest
   int2 due[NTHREADS];      // deployment form: this round's due programs (Records)
   int due_in_warp[NTHREADS / 32];
   int n_due;
+  alignas(16) float qvf[R][V + 8];   // qv in fp32, vector-major (rows 8 banks apart): warp 0 hands it on in 4
+                                     // conflict-free float4 stores; S^T qv's lanes split their own values into a
+                                     // tf32 part and the rest, and every thread rounds two into q_new, off warp 0's
+                                     // path
+  uint32_t qn16[V][2];     // q_new^T as fp16 pairs (r 0,1 | r 2,3)
+  uint32_t un16[UN16];     // -u_new^T as fp16 pairs (r 0,1 | r 2,3) at un16_at(k, pair)
 };
 
 // chunk c (v in [8c, 8c + 8)) of row j of the staged A^T
-__device__ __forceinline__ uint4& s_a_chunk(Smem& sm, int j, int c) { return sm.u.f.asm_[j][c ^ (j & 7)]; }
+__device__ __forceinline__ uint4& s_a_chunk(Smem& sm, int j, int c) { return sm.asm_[j][c ^ (j & 7)]; }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -233,6 +215,23 @@ __device__ __forceinline__ void mma_tf32_k8(float (&c)[4], uint32_t a0, uint32_t
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// The 8 x 8 block of fp32 values that thread (g, t) holds as row g, columns 2 t and 2 t + 1 (an m16n8 accumulator's
+// half), transposed: thread (g, t) gets column g, rows 2 t and 2 t + 1. movmatrix moves 16-bit halves, so the low
+// and the high halves go separately.
+__device__ __forceinline__ void movmatrix_trans32(float x0, float x1, float& y0, float& y1) {
+  const uint32_t a = __float_as_uint(x0), b = __float_as_uint(x1);
+  const uint32_t lo = movmatrix_trans(__byte_perm(a, b, 0x5410u));
+  const uint32_t hi = movmatrix_trans(__byte_perm(a, b, 0x7632u));
+  y0 = __uint_as_float(__byte_perm(lo, hi, 0x5410u));
+  y1 = __uint_as_float(__byte_perm(lo, hi, 0x7632u));
 }
 
 // fp32 = tf32 part (the low 13 bits cleared, exact) + the rest (exact; the tensor core keeps its top 11 bits)
@@ -413,33 +412,6 @@ __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint3
   return __byte_perm(ab, cd, 0x5410u);
 }
 
-// u = S^T qv on tf32 tensor cores (3xTF32) for the 16 rows k = 16 warp + [0, 16) over all v, from the quads of S^T:
-// k-step s covers v = vb + t, vb + t + 8 (A columns t, t + 4), vb = 16 (s >> 1) + 4 (s & 1); lane (g, t) reads the
-// quad (kp = 8 warp + g, vb + t) and qv's [part | rest] at the same v for column n = g. Two accumulators (even and
-// odd steps) halve the chain of dependent mma. On return lanes t < 2 hold columns 2 t, 2 t + 1 of rows k = 16 warp
-// + 2 g (d[0], d[1]) and k + 1 (d[2], d[3]). fx = %tid.x.
-__device__ __forceinline__ void st_times_qv(const Smem& sm, int fx, float (&d)[4]) {
-  const int g = (fx >> 2) & 7, t = fx & 3, w = fx >> 5;
-  const int kp = 8 * w + g, sw = st_swizzle(kp);
-  const float4* row = &sm.u.st_q[kp][0];
-  const float* xg = &sm.vec.qvx[g][t];
-  float dd[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-  for (int s = 0; s < V / 8; ++s) {
-    const float4 a = row[8 * (s >> 1) + ((4 * (s & 1) + t) ^ sw)];
-    const int vb = 16 * (s >> 1) + 4 * (s & 1);
-    const uint32_t b0 = __float_as_uint(xg[vb]), b1 = __float_as_uint(xg[vb + 8]);
-    mma_tf32_k8(dd[s & 1], tf32_rest(a.x), tf32_rest(a.y), tf32_rest(a.z), tf32_rest(a.w), b0, b1);
-    mma_tf32_k8(dd[s & 1], tf32_part(a.x), tf32_part(a.y), tf32_part(a.z), tf32_part(a.w), b0, b1);
-  }
-  // columns n = 2 t, 2 t + 1: qv's part's share for t < 2, the rest's share for t >= 2
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    d[i] = dd[0][i] + dd[1][i];
-    d[i] += __shfl_xor_sync(FULL, d[i], 2);
-  }
-}
-
 // One program: wait for its staged inputs, flush it, and (after barrier #1, when the staging area is free) start the
 // copies of the next program's inputs; the deployment form also resets the program's window there.
 template <bool POOL>
@@ -466,13 +438,6 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     const int v = row_of(ri);
     cw[ri] = st.codes[v][(colbase >> 4) ^ ((v & 1) << 2)];
     svr[ri] = st.s_v[v];
-  }
-  if (tid < V) {
-    const float4 x = sm.q0[tid];
-    sm.u.f.q0p[0][tid] = x;
-    sm.u.f.q0p[1][tid] = make_float4(x.y, x.x, x.w, x.z);
-    sm.u.f.q0p[2][tid] = make_float4(x.z, x.w, x.x, x.y);
-    sm.u.f.q0p[3][tid] = make_float4(x.w, x.z, x.y, x.x);
   }
   {
     const int j = tid >> 4, c = tid & 15;
@@ -519,9 +484,9 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       split3_pair(val[0], val[1], hw[3 - pp], mw[3 - pp], lw[3 - pp]);
     }
     const int chunk = half ^ sw;                       // logical chunk = half (j >> 3)
-    sm.u.f.bsm[0][k][chunk] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-    sm.u.f.bsm[1][k][chunk] = make_uint4(mw[0], mw[1], mw[2], mw[3]);
-    sm.u.f.bsm[2][k][chunk] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
+    sm.bsm[0][k][chunk] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+    sm.bsm[1][k][chunk] = make_uint4(mw[0], mw[1], mw[2], mw[3]);
+    sm.bsm[2][k][chunk] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
     if (half == 1) {
       // j 16..23: u_r exp(pcum) twice (against the hi and the lo of q)
       uint32_t uh[2], um[2], ul[2];                  // pairs (r 0, 1) and (r 2, 3)
@@ -529,11 +494,11 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       for (int r = 0; r < R; r += 2)
         split3_pair(h2f(u[r * K + k]) * dec, h2f(u[(r + 1) * K + k]) * dec, uh[r / 2], um[r / 2], ul[r / 2]);
       const int c2 = 2 ^ sw;
-      sm.u.f.bsm[0][k][c2] = make_uint4(uh[0], uh[1], uh[0], uh[1]);
-      sm.u.f.bsm[1][k][c2] = make_uint4(um[0], um[1], um[0], um[1]);
-      sm.u.f.bsm[2][k][c2] = make_uint4(ul[0], ul[1], ul[0], ul[1]);
+      sm.bsm[0][k][c2] = make_uint4(uh[0], uh[1], uh[0], uh[1]);
+      sm.bsm[1][k][c2] = make_uint4(um[0], um[1], um[0], um[1]);
+      sm.bsm[2][k][c2] = make_uint4(ul[0], ul[1], ul[0], ul[1]);
     } else {
-      sm.u.f.cs[k] = (st.s_k[k] * (1.0f / 127.0f)) * dec;
+      sm.cs[k] = (st.s_k[k] * (1.0f / 127.0f)) * dec;
     }
   }
   __syncthreads();                                                                                   // #1
@@ -554,7 +519,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     float csr[16];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float4 c4 = reinterpret_cast<const float4*>(sm.u.f.cs + colbase)[i];
+      const float4 c4 = reinterpret_cast<const float4*>(sm.cs + colbase)[i];
       csr[4 * i] = c4.x; csr[4 * i + 1] = c4.y; csr[4 * i + 2] = c4.z; csr[4 * i + 3] = c4.w;
     }
 #pragma unroll
@@ -571,7 +536,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   {
     // mt outer: only one m-tile's A fragments (6 registers) are live next to the 64 accumulators; the B fragments
     // are read once per m-tile (registers, not shared-memory bandwidth, are the limit here)
-    const uint32_t bbase = smem_u32(&sm.u.f.bsm[0][0][0]);
+    const uint32_t bbase = smem_u32(&sm.bsm[0][0][0]);
     const int ltid = fresh_tid();                     // recomputed here rather than kept (spilled) over the loop
     const int m = (ltid >> 3) & 3, r8 = ltid & 7;
     const int ksw = (r8 >> 1) & 3;                    // (k >> 4) & 3 of this lane's ldmatrix row
@@ -612,14 +577,14 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     float xr[4][4];                                  // xr[ri][p]: q0 vector p ^ ((g >> 1) & 3) at row row_of(ri)
 #pragma unroll
     for (int ri = 0; ri < 4; ++ri) {
-      const float4 x4 = sm.u.f.q0p[(g >> 1) & 3][row_of(ri)];
+      const float4 x4 = sm.q0p[(g >> 1) & 3][row_of(ri)];
       xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
     }
     const bool odd = g & 1;
     // red + (wr R + ((g >> 1) & 3)) PART + colbase + (g & 1), from a fresh %tid.x (derived from tid, the deployment
     // form spilled)
     const int fx = fresh_tid();
-    float* redp = sm.red.part + ((fx >> 6) * R + ((fx >> 3) & 3)) * PART + 64 * ((fx >> 5) & 1) + 16 * (fx & 3) +
+    float* redp = sm.red + ((fx >> 6) * R + ((fx >> 3) & 3)) * PART + 64 * ((fx >> 5) & 1) + 16 * (fx & 3) +
                   ((fx >> 2) & 1);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -642,31 +607,16 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 #pragma unroll
       for (int e = 0; e < 2; ++e)                    // lane ^ 8: ours ^ 1, its p = 1 is our p = 0
         pv[4 * e] += __shfl_xor_sync(FULL, pv[4 * e + 1], 8);
-      const float send = odd ? pv[0] : pv[4];        // lane ^ 4: the other column of the pair
-      pv[0] = (odd ? pv[4] : pv[0]) + __shfl_xor_sync(FULL, send, 4);
+      pv[1] = pv[4];                                 // lane ^ 4: the other column of the pair
+      rs_level<2>(pv, odd, 4);
       redp[2 * nt] = pv[0];                          // red[wr][(g >> 1) & 3][colbase + 2 nt + (g & 1)]
     }
   }
   __syncthreads();                                                                                   // #2
   STAMP(3);
-  // S^T into shared memory for S^T qv, while warp 0 orthonormalises S^T q0 (the factors and q0p are read; S^T takes
-  // their region): the registers hold S by rows, and a product over v from them needs a transpose of every element
-  // (movmatrix on both 16-bit halves). Tile (mt, nt) of lane (g, t) is quad (kp, v), kp = 32 wc + 8 t + nt, v = 32 wr
-  // + 16 mt + g; its swizzle is 4 (nt & 1) ^ 2 t, so two bases (nt even, odd) and an immediate give every address.
-  {
-    const int fx = fresh_tid();                      // (lane and warp afresh: kept from stage 0, they spilled)
-    const int tl = fx & 3, gl = (fx >> 2) & 7;
-    float4* base = &sm.u.st_q[32 * ((fx >> 5) & 1) + 8 * tl][16 * (fx >> 6)];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-        base[nt * (V / 2) + 8 * mt + (gl ^ (4 * (nt & 1)) ^ (2 * tl))] =
-            make_float4(acc[mt][nt][0], acc[mt][nt][1], acc[mt][nt][2], acc[mt][nt][3]);
-  }
   if (warp == 0) {
     float a[4][4];
-    sum_partials<4>(sm.red.part, lane, a);             // the 4 row-warps' column partials of S^T q0
+    sum_partials<4>(sm.red, lane, a);                  // the 4 row-warps' column partials of S^T q0
     cgs2(a);
 #pragma unroll
     for (int n = 0; n < R; ++n) {
@@ -675,8 +625,8 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       part.z = tf32_part(a[2][n]); part.w = tf32_part(a[3][n]);
       rest.x = tf32_rest(a[0][n]); rest.y = tf32_rest(a[1][n]);
       rest.z = tf32_rest(a[2][n]); rest.w = tf32_rest(a[3][n]);
-      *reinterpret_cast<uint4*>(&sm.vec.zs[n][4 * lane]) = part;
-      *reinterpret_cast<uint4*>(&sm.vec.zs[R + n][4 * lane]) = rest;
+      *reinterpret_cast<uint4*>(&sm.zs[n][4 * lane]) = part;
+      *reinterpret_cast<uint4*>(&sm.zs[R + n][4 * lane]) = rest;
     }
   }
   __syncthreads();                                                                                   // #3
@@ -690,7 +640,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     float d[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const float2 z = *reinterpret_cast<const float2*>(&sm.vec.zs[g][colbase + 2 * nt]);   // k = colbase + 2 nt (+1)
+      const float2 z = *reinterpret_cast<const float2*>(&sm.zs[g][colbase + 2 * nt]);   // k = colbase + 2 nt (+1)
       const uint32_t b0 = __float_as_uint(z.x), b1 = __float_as_uint(z.y);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
@@ -710,7 +660,7 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int v = 32 * wr + 16 * mt + 8 * h + g;
-          float* part = sm.red.part + (wc * R + 2 * t) * PART + v;
+          float* part = sm.red + (wc * R + 2 * t) * PART + v;
           part[0] = d[mt][2 * h];
           part[PART] = d[mt][2 * h + 1];
         }
@@ -720,52 +670,91 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
   STAMP(5);
   if (warp == 0) {
     float a[4][4];
-    sum_partials<2>(sm.red.part, lane, a);             // the 2 column-warps' row partials of S qk
+    sum_partials<2>(sm.red, lane, a);                  // the 2 column-warps' row partials of S qk
     cgs2(a);
 #pragma unroll
-    for (int n = 0; n < R; ++n) {
-      uint4 part, rest;
-      part.x = tf32_part(a[0][n]); part.y = tf32_part(a[1][n]);
-      part.z = tf32_part(a[2][n]); part.w = tf32_part(a[3][n]);
-      rest.x = tf32_rest(a[0][n]); rest.y = tf32_rest(a[1][n]);
-      rest.z = tf32_rest(a[2][n]); rest.w = tf32_rest(a[3][n]);
-      *reinterpret_cast<uint4*>(&sm.vec.qvx[n][4 * lane]) = part;
-      *reinterpret_cast<uint4*>(&sm.vec.qvx[R + n][4 * lane]) = rest;
-    }
+    for (int n = 0; n < R; ++n)
+      *reinterpret_cast<float4*>(&sm.qvf[n][4 * lane]) = make_float4(a[0][n], a[1][n], a[2][n], a[3][n]);
   }
   __syncthreads();                                                                                   // #5
   STAMP(6);
 
-  // q_new = fp16(qv): thread (v, pair) rounds qv_{jp}[v], qv_{jp + 1}[v]
+  // u = S^T qv on tf32 tensor cores (3xTF32, as S qk: S and qv each as a tf32 part + the rest, the N = 8 of
+  // [part | rest] giving the fourth product free). Its precision reaches the tokens through u_new's fp16 rounding:
+  // bf16 hi + lo pairs of S (16 bits) left a decayed edge head on either side of 1.01 by the summation order of
+  // S^T q0 alone. An 8 x 8 block of accumulator values transposed by movmatrix_trans32 is a quarter of an m16n8k8
+  // A fragment of S^T (rows k, columns v); the warp's 32 rows v are 4 k-steps of 8, the 4 row-warps summed by the
+  // consumer through red[wr][k][j].
   {
-    const int tx = fresh_tid();                      // (from tid, the deployment form spilled)
-    const int v = tx >> 1, jp = (tx & 1) * 2;
-    const float* x = &sm.vec.qvx[jp][v];
-    const __half q0h = __float2half_rn(x[0] + x[4 * (V + 8)]), q1h = __float2half_rn(x[V + 8] + x[5 * (V + 8)]);
-    __half* q_new = reinterpret_cast<__half*>(static_cast<char*>(p.q_new) + ck_offset<POOL>(rec.ck, 2 * R * V));
-    q_new[jp * token_row<POOL>() + v] = q0h;
-    q_new[(jp + 1) * token_row<POOL>() + v] = q1h;
-    sm.red.tok.qn16[v][tx & 1] = half_pair(q0h, q1h);
-  }
-  // u = S^T qv on tf32 tensor cores (3xTF32, as S^T q0; fp32 qv in the product, as the reference). Its precision
-  // reaches the tokens through u_new's fp16 rounding: bf16 hi + lo pairs of S (16 bits) here left a decayed edge head
-  // on either side of 1.01 by the summation order of S^T q0 alone. Lanes t < 2 round their complete sums to u_new.
-  {
-    float d[4];
-    st_times_qv(sm, fresh_tid(), d);
-    if (t < 2) {
-      const int tx = fresh_tid();
-      const int k = 16 * (tx >> 5) + 2 * ((tx >> 2) & 7), jp = 2 * (tx & 3);
-      __half* u_new = reinterpret_cast<__half*>(static_cast<char*>(p.u_new) + ck_offset<POOL>(rec.ck, 2 * R * K));
-      const __half2 u0 = __floats2half2_rn(d[0], d[2]), u1 = __floats2half2_rn(d[1], d[3]);   // (k, k + 1)
-      *reinterpret_cast<__half2*>(u_new + jp * token_row<POOL>() + k) = u0;
-      *reinterpret_cast<__half2*>(u_new + (jp + 1) * token_row<POOL>() + k) = u1;
-      sm.red.tok.un16[un16_at(k, tx & 1)] = half_pair(__hneg(__low2half(u0)), __hneg(__low2half(u1)));
-      sm.red.tok.un16[un16_at(k + 1, tx & 1)] = half_pair(__hneg(__high2half(u0)), __hneg(__high2half(u1)));
+    // B[kk][n]: kk = t <-> v = 32 wr + 16 mt + 8 h + 2 t, kk = t + 4 <-> v + 1 (the order the transposed blocks
+    // come in); column n < 4 the tf32 part of qv_n, n >= 4 the rest of qv_{n-4}
+    uint32_t bx[2][2][2];
+    const int tx = fresh_tid();                      // the row address afresh: kept from stage 1, it spilled
+    const float* xr0 = &sm.qvf[(tx >> 2) & 3][32 * (tx >> 6) + 2 * (tx & 3)];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 x = *reinterpret_cast<const float2*>(xr0 + 16 * mt + 8 * h);
+        bx[mt][h][0] = g < 4 ? tf32_part(x.x) : tf32_rest(x.x);
+        bx[mt][h][1] = g < 4 ? tf32_part(x.y) : tf32_rest(x.y);
+      }
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {                 // A rows 0-7: the columns of n-tile 2 np, rows 8-15: 2 np + 1
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float y[2][2];                             // [n-tile 2 np + i][row 2 t + e of the 8 rows (mt, h)]
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float* c = &acc[mt][2 * np + i][2 * h];
+            movmatrix_trans32(c[0], c[1], y[i][0], y[i][1]);
+          }
+          mma_tf32_k8(d, tf32_rest(y[0][0]), tf32_rest(y[1][0]), tf32_rest(y[0][1]), tf32_rest(y[1][1]),
+                      bx[mt][h][0], bx[mt][h][1]);
+          mma_tf32_k8(d, tf32_part(y[0][0]), tf32_part(y[1][0]), tf32_part(y[0][1]), tf32_part(y[1][1]),
+                      bx[mt][h][0], bx[mt][h][1]);
+        }
+      // columns n = 2 t, 2 t + 1: the qv part's share of u_n for t < 2, the rest's share of u_{n-4} for t >= 2
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[i] += __shfl_xor_sync(FULL, d[i], 2);
+      if (t < 2) {
+        // A row g + 8 h = column k = k0 + 2 (2 np + h) of n-tile 2 np + h, inside k0's block of 16
+        float* part = sm.red + wr * UPART + upart_at(64 * wc + 16 * (g >> 1) + (g & 1)) + 2 * t;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<float2*>(part + 8 * (2 * np + h)) = make_float2(d[2 * h], d[2 * h + 1]);
+      }
     }
   }
   __syncthreads();                                                                                   // #6
   STAMP(7);
+  {
+    const int tx7 = fresh_tid();                     // (from tid, the deployment form spilled)
+    const int k = tx7 >> 1, jp = (tx7 & 1) * 2;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float2 o = *reinterpret_cast<const float2*>(sm.red + r * UPART + upart_at(k) + jp);
+      s0 += o.x; s1 += o.y;
+    }
+    const __half h0 = __float2half_rn(s0), h1 = __float2half_rn(s1);
+    __half* u_new = reinterpret_cast<__half*>(static_cast<char*>(p.u_new) + ck_offset<POOL>(rec.ck, 2 * R * K));
+    u_new[jp * token_row<POOL>() + k] = h0;
+    u_new[(jp + 1) * token_row<POOL>() + k] = h1;
+    sm.un16[un16_at(k, tx7 & 1)] = half_pair(__hneg(h0), __hneg(h1));
+    // q_new = fp16(qv): thread (v, pair) rounds qv_{jp}[v], qv_{jp + 1}[v]
+    const int v = k;
+    const __half q0h = __float2half_rn(sm.qvf[jp][v]), q1h = __float2half_rn(sm.qvf[jp + 1][v]);
+    __half* q_new = reinterpret_cast<__half*>(static_cast<char*>(p.q_new) + ck_offset<POOL>(rec.ck, 2 * R * V));
+    q_new[jp * token_row<POOL>() + v] = q0h;
+    q_new[(jp + 1) * token_row<POOL>() + v] = q1h;
+    sm.qn16[v][tx7 & 1] = half_pair(q0h, q1h);
+  }
+  __syncthreads();                                                                                   // #7
+  STAMP(8);
 
   // ---- 3. residual, scales, codes --------------------------------------------------------------------------------
   {
@@ -773,12 +762,12 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       const int v0 = 32 * wr + 16 * mt + g;
-      qa[mt][0] = t < 2 ? sm.red.tok.qn16[v0][t & 1] : 0u;
-      qa[mt][1] = t < 2 ? sm.red.tok.qn16[v0 + 8][t & 1] : 0u;
+      qa[mt][0] = t < 2 ? sm.qn16[v0][t & 1] : 0u;
+      qa[mt][1] = t < 2 ? sm.qn16[v0 + 8][t & 1] : 0u;
     }
     // k = 64 wc + 16 (g >> 1) + (g & 1) + 2 nt (at + 4 nt), from a fresh %tid.x (kept from stage 1, it spilled)
     const int tx = fresh_tid();
-    const uint32_t* un = sm.red.tok.un16 + un16_at(64 * ((tx >> 5) & 1) + 16 * ((tx >> 3) & 3) + ((tx >> 2) & 1), tx & 1);
+    const uint32_t* un = sm.un16 + un16_at(64 * ((tx >> 5) & 1) + 16 * ((tx >> 3) & 3) + ((tx >> 2) & 1), tx & 1);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const uint32_t b = t < 2 ? un[4 * nt] : 0u;
@@ -798,24 +787,24 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     rs_level<16>(cp, (g >> 2) & 1, 16);
     rs_level<8>(cp, (g >> 1) & 1, 8);
     rs_level<4>(cp, g & 1, 4);                         // lane keeps nt = g, e = 0, 1
-    *reinterpret_cast<float2*>(&sm.u.tl.ksum[wr][colbase + 2 * g]) = make_float2(cp[0], cp[1]);
-  }
-  __syncthreads();                                                                                   // #7
-  STAMP(8);
-  if (tid < K) {
-    const float s = (sm.u.tl.ksum[0][tid] + sm.u.tl.ksum[1][tid]) + (sm.u.tl.ksum[2][tid] + sm.u.tl.ksum[3][tid]);
-    const float sk = fmaxf(approx_sqrt(s / 128.0f), 1e-12f);
-    reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_k_new) + ck_offset<POOL>(rec.ck, 4 * K))[tid] = sk;
-    sm.u.tl.isk[tid] = approx_rcp(sk);
+    *reinterpret_cast<float2*>(sm.red + wr * 128 + colbase + 2 * g) = make_float2(cp[0], cp[1]);
   }
   __syncthreads();                                                                                   // #8
   STAMP(9);
+  if (tid < K) {
+    const float s = (sm.red[tid] + sm.red[128 + tid]) + (sm.red[256 + tid] + sm.red[384 + tid]);
+    const float sk = fmaxf(approx_sqrt(s / 128.0f), 1e-12f);
+    reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_k_new) + ck_offset<POOL>(rec.ck, 4 * K))[tid] = sk;
+    sm.isk[tid] = approx_rcp(sk);
+  }
+  __syncthreads();                                                                                   // #9
+  STAMP(10);
   float isk[16];
   {
     // the lane's column base read afresh (a volatile read of %tid.x), so that the compiler does not keep the
     // address from stage 1 alive across the whole kernel (it spilled it)
     const int tx = fresh_tid();
-    const float4* isk4 = reinterpret_cast<const float4*>(sm.u.tl.isk + 64 * ((tx >> 5) & 1) + 16 * (tx & 3));
+    const float4* isk4 = reinterpret_cast<const float4*>(sm.isk + 64 * ((tx >> 5) & 1) + 16 * (tx & 3));
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float4 c4 = isk4[i];
@@ -840,18 +829,18 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
     }
     if (t == 0) {
 #pragma unroll
-      for (int ri = 0; ri < 4; ++ri) sm.u.tl.rmax[wc][row_of(ri)] = rm[ri];
+      for (int ri = 0; ri < 4; ++ri) sm.red[512 + wc * 128 + row_of(ri)] = rm[ri];
     }
   }
-  __syncthreads();                                                                                   // #9
-  STAMP(10);
+  __syncthreads();                                                                                   // #10
+  STAMP(11);
   {
     int8_t* codes_new = p.codes_new + ck_offset<POOL>(rec.ck, V * K);
     float* s_v_new = reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_v_new) + ck_offset<POOL>(rec.ck, 4 * V));
 #pragma unroll
     for (int ri = 0; ri < 4; ++ri) {
       const int v = row_of(ri);
-      const float sv = fmaxf(fmaxf(sm.u.tl.rmax[0][v], sm.u.tl.rmax[1][v]), 1e-12f);
+      const float sv = fmaxf(fmaxf(sm.red[512 + v], sm.red[640 + v]), 1e-12f);
       if (wc == 0 && t == 0) s_v_new[v] = sv;
       const float step = 127.0f / sv;
       uint32_t y[16];
@@ -884,7 +873,10 @@ __global__ void __launch_bounds__(NTHREADS, 2) leapquant_flush_kernel(const Flus
   auto load_q0 = [&] {
     if (tid < V) {
       const float4 x = __ldg(reinterpret_cast<const float4*>(p.q0) + tid);
-      sm.q0[tid] = x;
+      sm.q0p[0][tid] = x;
+      sm.q0p[1][tid] = make_float4(x.y, x.x, x.w, x.z);
+      sm.q0p[2][tid] = make_float4(x.z, x.w, x.x, x.y);
+      sm.q0p[3][tid] = make_float4(x.w, x.z, x.y, x.x);
     }
   };
   if constexpr (!POOL) {
