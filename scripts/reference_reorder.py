@@ -1,0 +1,78 @@
+"""How much of the criterion's 1% margin the reference itself uses up: the definition's reference code, changed only
+in the order of its fp32 operations (or made more precise), judged against the unchanged reference by the harness's
+own judge, on the committed workloads:
+
+    python scripts/reference_reorder.py --device cuda --batch-sizes 256,512 --families edge,second_window
+
+Every variant computes the same math as the reference. A variant that fails means the criterion cannot tell a
+reordering of the reference from a wrong kernel on that workload: a kernel's margin there is a draw, not a design
+property (cuda_v1/NOTES.md, "Session 10").
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness.definition import find_definition                      # noqa: E402
+from harness.ops import load_op                                      # noqa: E402
+from harness.workloads import load_inputs, load_workloads, select   # noqa: E402
+
+DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
+# name -> edits of the reference's code string (old, new); each old must occur exactly once
+VARIANTS = {
+    "reference, run again": [],
+    "S^T q0 as (q0^T S)^T": [("qk = _mgs(x @ q0)",
+                              "qk = _mgs((q0.transpose(-1, -2) @ x.transpose(-1, -2)).transpose(-1, -2))")],
+    "S qk as (qk^T S^T)^T": [("qv = _mgs(x.transpose(-1, -2) @ qk)",
+                              "qv = _mgs((qk.transpose(-1, -2) @ x).transpose(-1, -2))")],
+    "u as (qv^T S)^T": [("uk = x @ qv", "uk = (qv.transpose(-1, -2) @ x.transpose(-1, -2)).transpose(-1, -2)")],
+    "fp64 up to the fp16 tokens": [(".float()", ".double()"), ("x @ q0", "x @ q0.double()"),
+                                   ('"bhj,bhjv,bhjk->bhvk", w,', '"bhj,bhjv,bhjk->bhvk", w.double(),'),
+                                   ("torch.exp(pcum)", "torch.exp(pcum.double())")],
+}
+
+
+def variant_run(code: str, edits: list[tuple[str, str]], name: str):
+    """The reference's `run` with `edits` applied to its code string."""
+    for old, new in edits:
+        if old not in code:
+            raise SystemExit(f"variant {name!r}: {old!r} is not in the reference code (the definition changed?)")
+        code = code.replace(old, new)
+    namespace = {"__name__": f"reference_variant_{name}"}
+    exec(compile(code, f"<variant {name}>", "exec"), namespace)
+    return namespace["run"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch-sizes", default="256,512", help="comma-separated")
+    ap.add_argument("--families", default=None, help="comma-separated (default: all)")
+    args = ap.parse_args(argv)
+    defn = find_definition(DEFINITION)
+    op = load_op(defn.op_type)
+    reference = defn.reference_run()
+    runs = {name: variant_run(defn.reference, edits, name) for name, edits in VARIANTS.items()}
+    chosen = select(load_workloads(defn), [int(b) for b in args.batch_sizes.split(",")],
+                    args.families.split(",") if args.families else None)
+    dtypes = [spec.torch_dtype for spec in defn.outputs.values()]
+    print(f"{'family':14s} {'B':>4s}  {'variant':28s} {'worst-head ratio':>16s}  verdict")
+    failed = 0
+    for w in chosen:
+        inputs = load_inputs(defn, w, args.device)
+        ref_out = reference(**inputs)
+        for name, run in runs.items():
+            outputs = [t.to(dt) for t, dt in zip(run(**inputs), dtypes)]
+            v = op.judge(inputs, outputs, ref_out)
+            failed += not v.passed
+            ratio = "-" if v.worst_head_ratio is None else f"{v.worst_head_ratio:.4f}"
+            print(f"{w.family:14s} {w.axes['batch_size']:4d}  {name:28s} {ratio:>16s}  "
+                  f"{'PASSED' if v.passed else 'FAILED: ' + v.reason}", flush=True)
+    print(f"{failed} of {len(chosen) * len(runs)} judgements failed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
