@@ -3,6 +3,7 @@ in the order of its fp32 operations (or made more precise), judged against the u
 own judge, on the committed workloads:
 
     python scripts/reference_reorder.py --device cuda --batch-sizes 256,512 --families edge,second_window
+    python scripts/reference_reorder.py --device cuda --batch-sizes 256,512 --seed 1     # fresh inputs, base seed 1
 
 Every variant computes the same math as the reference. A variant that fails means the criterion cannot tell a
 reordering of the reference from a wrong kernel on that workload: a kernel's margin there is a draw, not a design
@@ -10,6 +11,7 @@ property (cuda_v1/NOTES.md, "Session 10").
 """
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -17,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness.definition import find_definition                      # noqa: E402
 from harness.ops import load_op                                      # noqa: E402
-from harness.workloads import load_inputs, load_workloads, select   # noqa: E402
+from harness.workloads import load_inputs, load_workloads, make_workload, select   # noqa: E402
 
 DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
 # name -> edits of the reference's code string (old, new); each old must occur exactly once
@@ -50,6 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch-sizes", default="256,512", help="comma-separated")
     ap.add_argument("--families", default=None, help="comma-separated (default: all)")
+    ap.add_argument("--seed", type=int, metavar="N", help="the chosen workloads drawn anew from base seed N")
     args = ap.parse_args(argv)
     defn = find_definition(DEFINITION)
     op = load_op(defn.op_type)
@@ -57,11 +60,15 @@ def main(argv=None) -> int:
     runs = {name: variant_run(defn.reference, edits, name) for name, edits in VARIANTS.items()}
     chosen = select(load_workloads(defn), [int(b) for b in args.batch_sizes.split(",")],
                     args.families.split(",") if args.families else None)
+    fresh = tempfile.TemporaryDirectory(prefix="reference_reorder_") if args.seed is not None else None
+    root = fresh.name if fresh else "."
+    if fresh:
+        chosen = [make_workload(defn, w.family, w.axes, args.seed, root, args.device) for w in chosen]
     dtypes = [spec.torch_dtype for spec in defn.outputs.values()]
     print(f"{'family':14s} {'B':>4s}  {'variant':28s} {'worst-head ratio':>16s}  verdict")
     failed = 0
     for w in chosen:
-        inputs = load_inputs(defn, w, args.device)
+        inputs = load_inputs(defn, w, args.device, root)
         ref_out = reference(**inputs)
         for name, run in runs.items():
             outputs = [t.to(dt) for t, dt in zip(run(**inputs), dtypes)]

@@ -11,8 +11,9 @@ reference_reorder = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(reference_reorder)
 
 
-def test_every_variant_is_judged_and_the_unchanged_reference_matches_itself(capsys):
-    assert reference_reorder.main(["--batch-sizes", "1", "--families", "edge,random"]) == 0
+@pytest.mark.parametrize("seed", [[], ["--seed", "1"]], ids=["committed", "fresh"])
+def test_every_variant_is_judged_and_the_unchanged_reference_matches_itself(capsys, seed):
+    assert reference_reorder.main(["--batch-sizes", "1", "--families", "edge,random", *seed]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:-1]]
     assert len(rows) == 2 * len(reference_reorder.VARIANTS)
     again = [r for r in rows if "again" in r]
