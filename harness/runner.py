@@ -100,7 +100,7 @@ class Worker:
     def __init__(self, sol: Solution, defn: Definition, device: str, timeout_s: float):
         self.sol, self.defn, self.timeout_s = sol, defn, timeout_s
         self.cpu = device == "cpu"
-        self.env = {"TRITON_INTERPRET": "1"} if device == "cpu" and sol.language == "triton" else {}
+        self.env = {"TRITON_INTERPRET": "1"} if self.cpu and sol.language == "triton" else {}
         self.proc = None
         self.load_error: str | None = None
 

@@ -22,7 +22,7 @@ from harness.ops import load_op                                      # noqa: E40
 from harness.workloads import load_inputs, load_workloads, make_workload, select   # noqa: E402
 
 DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
-# name -> edits of the reference's code string (old, new); each old must occur exactly once
+# name -> edits of the reference's code string (old, new): every occurrence of old is replaced, and one must exist
 VARIANTS = {
     "reference, run again": [],
     "S^T q0 as (q0^T S)^T": [("qk = _mgs(x @ q0)",

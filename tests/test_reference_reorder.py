@@ -1,5 +1,5 @@
 """scripts/reference_reorder.py: the reference with its fp32 operations reordered (or in fp64), judged against itself
-by the harness's judge on the committed workloads."""
+by the harness's judge on the committed workloads and on fresh ones (--seed)."""
 import importlib.util
 from pathlib import Path
 
