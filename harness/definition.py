@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Definition:
     description: str = ""
     tags: tuple[str, ...] = ()
     path: Path | None = None
+    raw: dict = field(default_factory=dict, repr=False)     # the JSON it was parsed from (sent to workers)
     _reference_run: Callable | None = field(default=None, repr=False)
 
     def resolve_axes(self, var_values: dict[str, int]) -> dict[str, int]:
@@ -75,9 +77,6 @@ class Definition:
 
     def shape(self, spec: TensorSpec, axes: dict[str, int]) -> tuple[int, ...]:
         return tuple(axes[a] for a in spec.shape)
-
-    def __getstate__(self):
-        return {**self.__dict__, "_reference_run": None}   # functions exec'd from a string do not pickle
 
     def reference_run(self) -> Callable:
         """The reference `run` from the definition's code string (executed once, in its own namespace)."""
@@ -143,7 +142,7 @@ def parse_definition(raw: Any, where: str) -> Definition:
     defn = Definition(
         name=raw["name"], op_type=raw["op_type"], const_axes=const_axes, var_axes=tuple(var_axes),
         inputs=inputs, outputs=outputs, constraints=tuple(constraints), reference=raw["reference"],
-        description=raw.get("description", ""), tags=tuple(raw.get("tags", ())),
+        description=raw.get("description", ""), tags=tuple(raw.get("tags", ())), raw=raw,
     )
     try:
         run = defn.reference_run()
@@ -156,22 +155,46 @@ def parse_definition(raw: Any, where: str) -> Definition:
     return defn
 
 
-def load_definition(path: str | Path) -> Definition:
+PINS = "SHA256SUMS"      # beside the definitions: `sha256sum` lines of every definition file, committed
+
+
+def load_definition(path: str | Path, pins: str | Path | None = None) -> Definition:
+    """The definition at `path`; with `pins` (a sha256sum file), only if the file's bytes hash to the pinned value,
+    checked before its reference code is executed."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text())
+        data = path.read_bytes()
+        raw = json.loads(data)
     except FileNotFoundError:
         raise DefinitionError(f"{path}: no such definition file") from None
-    except json.JSONDecodeError as e:
-        raise DefinitionError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DefinitionError(f"{path}: not valid JSON ({getattr(e, 'msg', type(e).__name__)})") from None
+    if pins is not None:
+        _check_pin(path, data, Path(pins))
     defn = parse_definition(raw, str(path))
     defn.path = path
     return defn
 
 
+def _check_pin(path: Path, data: bytes, pins: Path) -> None:
+    key = path.resolve().relative_to(pins.resolve().parent).as_posix()
+    recorded = {}
+    if pins.is_file():
+        for line in pins.read_text().splitlines():
+            digest, _, name = line.partition("  ")
+            recorded[name.strip()] = digest.strip()
+    if key not in recorded:
+        raise DefinitionError(f"{path}: not pinned in {pins} (add the line `sha256sum {key}` prints there, "
+                              f"from {pins.parent})")
+    if hashlib.sha256(data).hexdigest() != recorded[key]:
+        raise DefinitionError(f"{path}: sha256 {hashlib.sha256(data).hexdigest()[:12]} differs from the one pinned "
+                              f"in {pins} ({recorded[key][:12]}): the contract was changed")
+
+
 def find_definition(name: str, root: str | Path = "definitions") -> Definition:
-    """The definition called `name` under `root` (searched recursively for `<name>.json`)."""
+    """The definition called `name` under `root` (searched recursively for `<name>.json`), checked against the
+    hashes pinned in `root`/SHA256SUMS."""
     matches = sorted(Path(root).rglob(f"{name}.json"))
     if not matches:
         raise DefinitionError(f"{root}: no definition named {name!r}")
-    return load_definition(matches[0])
+    return load_definition(matches[0], Path(root) / PINS)

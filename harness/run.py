@@ -1,10 +1,13 @@
 """python -m harness.run --solution NAME [--solution NAME2 ...] [--batch-sizes 1,64] [--families edge,random]
-[--device auto|cuda|cpu] [--seed N]: judge (and on a GPU time) solutions on the definition's workloads and print one
-table. With --seed, the chosen workloads are drawn anew from base seed N and only judged.
+[--device auto|cuda|cpu] [--seed N] [--keep-going]: judge (and on a GPU time) solutions on the definition's workloads
+and print one table. Every workload is judged on its committed inputs and on fresh ones drawn from a seed made for
+this run (recorded in the traces); on a GPU it is timed on fresh inputs too. With --seed, the chosen workloads are
+drawn anew from base seed N and only judged.
 Exits 1 when any workload is not PASSED, 2 on bad input (definition, solution, workload file or arguments)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -12,11 +15,10 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from harness import HarnessError
+from harness import HarnessError, sandbox, timing, traces
 from harness.definition import find_definition
-from harness.runner import PASSED, Result, evaluate
-from harness import timing, traces
-from harness.solutions import REFERENCE, discover, load_solution, source_sha256
+from harness.runner import PASSED, Calibration, Result, evaluate
+from harness.solutions import REFERENCE, discover, load_solution
 from harness.workloads import load_workloads, make_workload, select
 
 DEFAULT_DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
@@ -41,7 +43,14 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", type=_csv(int), help="comma-separated (default: all; 1,2 on CPU)")
     p.add_argument("--families", type=_csv(str), help="comma-separated input families (default: all)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per call before TIMEOUT (default: 300)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds per call before TIMEOUT (default: 300); a solution's first timeout or dead worker "
+                        "ends its run: its remaining workloads are reported without running")
+    p.add_argument("--keep-going", action="store_true",
+                   help="after a timeout or dead worker, restart the worker and run the solution's remaining workloads")
+    p.add_argument("--run-seed", type=int, metavar="N",
+                   help="draw this run's fresh inputs and timing programs from seed N (default: a random seed, "
+                        "recorded in the traces), to reproduce a run")
     p.add_argument("--traces", metavar="DIR", help="write FlashInfer-bench traces under DIR (default: traces/ when "
                                                    "timed on a GPU; CPU runs write none unless given)")
     p.add_argument("--no-traces", action="store_true", help="write no traces")
@@ -83,7 +92,13 @@ def _progress(total: int):
         done[0] += 1
         ratio = r.verdict.worst_head_ratio if r.verdict else None
         print(f"  [{r.solution} {done[0]}/{total}] {r.workload.label}: {r.status}"
-              + (f" ratio {ratio:.4f}" if ratio is not None else "") + (f" ({r.log})" if r.log else ""), flush=True)
+              + (f" ratio {ratio:.4f}" if ratio is not None else "")
+              + (f" {r.latency_ms * 1e3:.1f} us, clock {r.clock['reported_ms'] / (r.clock['wall_ms'] - r.clock['null_wall_ms']):.3f}"
+                 if r.latency_ms is not None and r.clock else "")
+              + (f" ({r.log})" if r.log else "")
+              + (f" [wall {r.clock['wall_ms']:.2f} null {r.clock['null_wall_ms']:.2f} worker {r.clock['worker_loop_ms']}"
+                 f" null worker {r.clock['null_worker_loop_ms']} sum {r.clock['reported_ms']:.2f}]" if r.clock else ""),
+              flush=True)
     return report
 
 
@@ -111,9 +126,12 @@ def main(argv=None) -> int:
     trace_root = (None if args.no_traces or fresh else Path(args.traces) if args.traces
                   else traces.TRACES if timed else None)
     env = traces.environment(device)
+    run_seed = args.run_seed if args.run_seed is not None else int.from_bytes(os.urandom(7), "little")
     print(f"{defn.name}: {len(solutions)} solution(s) x {len(workloads)} workload(s) on {device} "
-          f"({env['hardware']})" + (f", fresh inputs from base seed {args.seed}, not timed" if fresh else ""),
-          flush=True)
+          f"({env['hardware']}), run seed {run_seed}"
+          + (f", fresh inputs from base seed {args.seed}, not timed" if fresh else ""), flush=True)
+    if sandbox.unavailable():
+        print(f"WARNING: solutions run UNSANDBOXED: {sandbox.unavailable()}; traces record it", flush=True)
     # speedups need the reference's latency on the same workloads and hardware: from its traces, else timed now
     reference_ms = {}
     if timed and trace_root is not None and all(s.name != REFERENCE for s in solutions):
@@ -124,21 +142,29 @@ def main(argv=None) -> int:
             solutions.insert(0, load_solution(REFERENCE, defn))
     # one copy rate for the whole run, so that every solution's floor in it is the same
     bandwidth = timing.copy_bandwidth(device) if timed else None
+    calibration = Calibration(defn, device, args.timeout, [Path(root).resolve(), Path.cwd()]) if timed else None
     results: list[Result] = []
     for sol in solutions:
         todo = workloads
         if sol.name == REFERENCE and reference_ms:
             todo = [w for w in workloads if reference_ms[w.uuid] is None]
+        if timed:
+            others = timing.gpu_processes(device)
+            env["gpu_other_processes"] = others
+            if others:
+                print(f"WARNING: other processes use the GPU while {sol.name} is timed: {others}", flush=True)
         done = evaluate(defn, sol, todo, device, args.timeout, on_result=_progress(len(todo)), timed=timed,
-                        bandwidth=bandwidth, root=root)
+                        bandwidth=bandwidth, root=root, run_seed=run_seed, keep_going=args.keep_going,
+                        calibration=calibration)
         if sol.name == REFERENCE:
             reference_ms.update({r.workload.uuid: r.latency_ms for r in done})
         if trace_root is not None:
-            sha = source_sha256(sol, defn)
-            records = [traces.trace_record(r, env, reference_ms.get(r.workload.uuid), sha) for r in done]
+            records = [traces.trace_record(r, env, reference_ms.get(r.workload.uuid), r.sha256) for r in done]
             for path in traces.write_traces(records, trace_root):
                 print(f"  wrote {path}", flush=True)
         results += done
+    if calibration is not None:
+        calibration.close()
     print()
     print(table(results))
     return 0 if all(r.status == PASSED for r in results) else 1

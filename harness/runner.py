@@ -1,23 +1,32 @@
-"""Evaluate solutions on workloads: each solution runs in its own spawned worker process; loading, judging and
-timing stay in this (the parent) process, out of the solution's reach. A crash, hang or exception in one solution
-becomes a status for its workloads and never stops the others."""
+"""Evaluate solutions on workloads. Each solution runs in its own worker process inside the sandbox
+(harness.sandbox), spoken to only through harness.wire messages with deadlines; loading the workloads, drawing fresh
+inputs and schedules, judging and the clock that checks the timing stay in this process. A crash, hang, malformed
+reply or exception in one solution becomes a status for its workloads and never stops the others; after a timeout
+or a dead worker its remaining workloads are reported without running them (unless keep_going)."""
 from __future__ import annotations
 
+import collections
+import gc
+import hashlib
 import math
 import os
-import traceback
-from dataclasses import dataclass
+import signal
+import socket
+import statistics
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.multiprocessing as mp
 
-from harness import HarnessError, timing
+from harness import HarnessError, sandbox, timing, wire
 from harness.definition import Definition
 from harness.ops import Verdict, load_op
-from harness.solutions import Solution, load_entry
-from harness.workloads import Workload, load_inputs
+from harness.solutions import Solution, null_solution
+from harness.workloads import Workload, generate_tensors, load_inputs
 
 PASSED = "PASSED"
 INCORRECT_SHAPE = "INCORRECT_SHAPE"
@@ -26,6 +35,8 @@ INCORRECT_NUMERICAL = "INCORRECT_NUMERICAL"
 RUNTIME_ERROR = "RUNTIME_ERROR"
 COMPILE_ERROR = "COMPILE_ERROR"
 TIMEOUT = "TIMEOUT"
+STOP_GRACE_S = 2.0
+JUDGED_PROGRAMS = 1 << 14       # programs the judge takes at once when it checks the timed calls
 
 
 @dataclass
@@ -37,136 +48,125 @@ class Result:
     verdict: Verdict | None = None
     latency_ms: float | None = None     # median kernel time on the GPU
     floor_ms: float | None = None       # the memory floor of this workload on this GPU
-
-
-def _one_line(e: BaseException) -> str:
-    """The exception as one line, with the deepest frame of the solution's own code when there is one."""
-    msg = " ".join(str(e).split()) or "(no message)"
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/harness/" not in f.filename]
-    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
-    return f"{type(e).__name__}: {msg[:400]}{where}"
-
-
-def _worker(conn, sol: Solution, defn: Definition, env: dict, cpu: bool) -> None:
-    """Child process: load the solution, then answer ("run", inputs, axes) with its outputs and
-    ("time", inputs, axes, batched, n_prefix, perms, samples) with timing.time_calls' results (tensors sent back
-    on the CPU)."""
-    os.environ.update(env)
-    if cpu:
-        # one intra-op thread: with more, torch's CPU matmuls in a worker came out with other roundings in about one
-        # start in ten, enough to flip a sensitive edge head across the criterion from one identical run to the next
-        torch.set_num_threads(1)
-    timing.guard()
-    try:
-        fn = load_entry(sol, defn)
-    except BaseException as e:  # noqa: BLE001 - any failure to load is the solution's compile error
-        conn.send(("compile_error", _one_line(e)))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg[0] == "stop":
-            return
-        try:
-            if msg[0] == "run":
-                out = fn(msg[1], msg[2])
-                devices = [str(t.device) for t in out if isinstance(t, torch.Tensor)] \
-                    if isinstance(out, tuple) else []
-                reply = (_cpu(out), devices)
-            else:
-                t, samples, last = timing.time_calls(fn, *msg[1:])
-                reply = (t, _cpu(samples), _cpu(last))
-            patched = timing.tampered()
-            conn.send(("error", f"the solution replaced {patched}") if patched else ("ok", reply))
-        except BaseException as e:  # noqa: BLE001 - reported as the workload's RUNTIME_ERROR
-            conn.send(("error", _one_line(e)))
-
-
-def _cpu(x):
-    """Tensors (in nested tuples and lists) moved to the CPU: they cross the process boundary as shared memory."""
-    if isinstance(x, torch.Tensor):
-        return x.cpu()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_cpu(v) for v in x)
-    return x
+    fresh_seed: int | None = None       # the seed of the fresh inputs it was also judged (and timed) on
+    clock: dict = field(default_factory=dict)   # the timed loop against the harness's clock
+    isolation: str = ""                 # "bwrap", or "unsandboxed (why)"
+    sha256: str = ""                    # of the sources the worker was given, taken before they ran
 
 
 class Worker:
-    """A solution's process. `call` returns ("ok", outputs) or (status, one-line log)."""
+    """A solution's sandboxed process. `request` returns ("ok", header, tensors) or (status, one-line log, None);
+    `fatal` is set once the worker timed out, died or sent a malformed reply (it is then stopped)."""
 
-    def __init__(self, sol: Solution, defn: Definition, device: str, timeout_s: float):
-        self.sol, self.defn, self.timeout_s = sol, defn, timeout_s
-        self.cpu = device == "cpu"
-        self.env = {"TRITON_INTERPRET": "1"} if self.cpu and sol.language == "triton" else {}
-        self.proc = None
+    def __init__(self, sol: Solution, defn: Definition, device: str, timeout_s: float, hide: list[Path]):
+        self.sol, self.defn, self.device, self.timeout_s = sol, defn, device, timeout_s
+        self.files = sol.files(defn)                        # read, and hashed, before anything of it runs
+        self.sha256 = sandbox.files_sha256(self.files)
+        env = {"TRITON_INTERPRET": "1"} if device == "cpu" and sol.language == "triton" else {}
+        self.box = sandbox.Sandbox(sol.name.strip("<>"), self.files, self.sha256, hide, env)
+        self.proc: subprocess.Popen | None = None
         self.load_error: str | None = None
+        self.fatal: str | None = None
+
+    @property
+    def isolation(self) -> str:
+        return "bwrap" if self.box.sandboxed else f"unsandboxed ({self.box.downgrade})"
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, self.sol, self.defn, self.env, self.cpu), daemon=True)
-        self.proc.start()
+        self.sock, child = socket.socketpair()
+        self.proc = self.box.popen(["-m", "harness.worker", str(child.fileno())], pass_fds=(child.fileno(),))
         child.close()
-        status, payload = self._receive(self.timeout_s, "loading")
-        if status != "ready":
-            self.load_error = payload if status == "compile_error" else f"{status}: {payload}"
-
-    def _receive(self, timeout_s: float, what: str):
-        if not self.conn.poll(timeout_s):
+        self.output = collections.deque(maxlen=20)
+        threading.Thread(target=self._drain, args=(self.proc.stdout, self.output), daemon=True).start()
+        wire.send(self.sock, {"definition": self.defn.raw, "solution": self.sol.worker_spec(),
+                              "solution_dir": str(self.box.solution_dir), "device": self.device})
+        status, header, _ = self._receive("loading")
+        if status != "ok":
+            self.load_error = header
+        elif header.get("status") != "ready":
+            self.load_error = str(header.get("message", "the worker did not load the solution"))[:500]
             self.stop()
-            return TIMEOUT, f"no answer within {timeout_s:g} s while {what}; worker killed"
+
+    @staticmethod
+    def _drain(stream, last) -> None:
+        for line in stream:
+            last.append(line.decode(errors="replace").rstrip()[:300])
+
+    def _receive(self, what: str):
         try:
-            return self.conn.recv()
-        except (EOFError, ConnectionResetError):
-            self.proc.join(5)
-            code = self.proc.exitcode
-            self.stop()
-            return RUNTIME_ERROR, f"worker process died while {what} (exit code {code})"
+            header, tensors = wire.receive(self.sock, self.timeout_s)
+        except TimeoutError:
+            return self._fail(TIMEOUT, f"no answer within {self.timeout_s:g} s while {what}; worker killed")
+        except (EOFError, ConnectionError, OSError):
+            code = self.proc.wait(5) if self.proc else None
+            said = f"; it printed: {self.output[-1]}" if self.output else ""
+            return self._fail(RUNTIME_ERROR, f"worker process died while {what} (exit code {code}){said}")
+        except wire.WireError as e:
+            return self._fail(RUNTIME_ERROR, f"malformed reply while {what}: {e}; worker killed")
+        if header.get("status") == "error":
+            return RUNTIME_ERROR, str(header.get("message"))[:500], None
+        return "ok", header, tensors
 
-    def call(self, *message):
-        if self.load_error is None and (self.proc is None or not self.proc.is_alive()):
-            self.start()                    # first call, or the worker died or was killed on the last one
+    def _fail(self, status: str, log: str):
+        self.fatal = self.fatal or log
+        self.stop()
+        return status, log, None
+
+    def request(self, header: dict, tensors: dict | None = None, what: str = "running"):
+        if self.fatal:
+            return RUNTIME_ERROR, f"worker stopped earlier: {self.fatal}", None
+        if self.load_error is None and self.proc is None:
+            self.start()                    # first request
         if self.load_error:
-            return COMPILE_ERROR, self.load_error
-        self.conn.send(message)
-        status, payload = self._receive(self.timeout_s, "running")
-        if status == "error":
-            return RUNTIME_ERROR, payload
-        return status, payload
+            return COMPILE_ERROR, self.load_error, None
+        try:
+            wire.send(self.sock, header, {k: v.detach().cpu() for k, v in (tensors or {}).items()})
+        except OSError:
+            return self._receive(what)      # it died before reading: report how
+        return self._receive(what)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            try:
-                self.conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(2)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
+        if self.proc is None:
+            return
+        try:
+            wire.send(self.sock, {"op": "stop"})
+            self.proc.wait(STOP_GRACE_S)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)    # the sandbox's PID namespace ends with it
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.sock.close()
         self.proc = None
 
+    def close(self) -> None:
+        self.stop()
+        self.box.close()
 
-def check_outputs(defn: Definition, outputs, devices: list[str], axes: dict, device: str) -> tuple[str, str]:
-    """(status, log) of the outputs' count, types, shapes, dtypes and device against the definition."""
-    specs = list(defn.outputs.items())
-    if not isinstance(outputs, tuple) or len(outputs) != len(specs):
-        n = len(outputs) if isinstance(outputs, tuple) else type(outputs).__name__
-        return INCORRECT_SHAPE, f"returned {n} outputs, the definition has {len(specs)}"
-    for (name, spec), t in zip(specs, outputs):
-        if not isinstance(t, torch.Tensor):
-            return INCORRECT_SHAPE, f"{name} is a {type(t).__name__}, not a tensor"
+
+def check_outputs(defn: Definition, specs, tensors: dict, axes: dict, device: str,
+                  leading: int = 1) -> tuple[str, str]:
+    """(status, log) of a worker's reply against the definition: count, plain dense tensors, shapes (the first dim
+    `leading` times the definition's), dtypes, device."""
+    outputs = list(defn.outputs.items())
+    if not isinstance(specs, list) or len(specs) != len(outputs) or not all(isinstance(s, dict) for s in specs):
+        n = len(specs) if isinstance(specs, list) else "?"
+        return INCORRECT_SHAPE, f"returned {n} outputs, the definition has {len(outputs)}"
+    for i, ((name, spec), desc) in enumerate(zip(outputs, specs)):
+        t = tensors.get(f"out{i}")
+        if desc.get("kind") != "tensor" or t is None:
+            return INCORRECT_SHAPE, f"{name} is a {str(desc.get('kind'))[:60]}, not a plain dense tensor"
         shape = defn.shape(spec, axes)
+        shape = (shape[0] * leading, *shape[1:])
         if tuple(t.shape) != shape:
             return INCORRECT_SHAPE, f"{name} has shape {tuple(t.shape)}, expected {shape}"
         if t.dtype != spec.torch_dtype:
             return INCORRECT_DTYPE, f"{name} is {t.dtype}, expected {spec.torch_dtype}"
-    wrong = [d for d in devices if torch.device(d).type != torch.device(device).type]
-    if wrong:
-        return RUNTIME_ERROR, f"outputs on {wrong[0]}, the inputs on {device}"
+        where = str(desc.get("device", ""))
+        if where.split(":")[0] != device:
+            return RUNTIME_ERROR, f"outputs on {where[:20]}, the inputs on {device}"
     return PASSED, ""
 
 
@@ -187,6 +187,16 @@ def program_layout(defn: Definition) -> tuple[tuple[str, ...], int]:
     return batched, n
 
 
+def program_parts(defn: Definition, op) -> list[list[str]]:
+    """The batched inputs in groups that a timed call may draw from different programs (the operator's
+    PROGRAM_PARTS, else one group)."""
+    batched, _ = program_layout(defn)
+    parts = [list(p) for p in getattr(op, "PROGRAM_PARTS", (batched,))]
+    if sorted(n for p in parts for n in p) != sorted(batched):
+        raise HarnessError(f"{defn.op_type}: PROGRAM_PARTS {parts} do not split the batched inputs {batched}")
+    return parts
+
+
 def floor_ms(defn: Definition, axes: dict, bandwidth: float) -> float:
     """Every input read once and every output written once, at the measured copy rate."""
     nbytes = sum(math.prod(defn.shape(s, axes)) * s.torch_dtype.itemsize
@@ -194,88 +204,256 @@ def floor_ms(defn: Definition, axes: dict, bandwidth: float) -> float:
     return nbytes / bandwidth * 1e3
 
 
+def fresh_seed(run_seed: int, w: Workload) -> int:
+    return int.from_bytes(hashlib.sha256(f"{run_seed}/{w.uuid}".encode()).digest()[:7], "little")
+
+
+def _flat(t: torch.Tensor, n_prefix: int) -> torch.Tensor:
+    return t.reshape(-1, *t.shape[n_prefix:])
+
+
+class Programs:
+    """A workload's fresh pool of programs, drawn from the run's seed: at least POOL_PROGRAMS when timed, so that
+    small batches too draw every timed call from many programs. `inputs(index)` builds the inputs of calls whose
+    part g takes pool programs index[:, g] (concatenated along the first dim)."""
+
+    def __init__(self, defn: Definition, w: Workload, seed: int, device: str, timed: bool):
+        batched, self.n_prefix = program_layout(defn)
+        self.batched = set(batched)
+        axes = defn.resolve_axes(w.axes)
+        prefix = defn.outputs[next(iter(defn.outputs))].shape[:self.n_prefix]
+        self.n_programs = math.prod(axes[a] for a in prefix)
+        var = next((a for a in prefix if a in w.axes), None)
+        scale = math.ceil(timing.POOL_PROGRAMS / self.n_programs) if timed and var else 1
+        pool_axes = {**w.axes, **({var: w.axes[var] * scale} if var else {})}
+        self.pool = generate_tensors(defn, w.family, pool_axes, seed, device)
+        self.unit = defn.shape(defn.inputs[batched[0]], axes)[:self.n_prefix]
+        self.flat = {k: _flat(v, self.n_prefix) if k in self.batched else v for k, v in self.pool.items()}
+        self.pool_programs = self.n_programs * scale
+
+    def first(self) -> dict:
+        """The inputs of one call on the pool's first programs: a fresh draw of the family."""
+        return {k: (v[:self.n_programs].reshape(*self.unit, *v.shape[1:]) if k in self.batched else v)
+                for k, v in self.flat.items()}
+
+    def inputs(self, index: torch.Tensor, parts: list[list[str]]) -> dict:
+        calls = index.shape[0]
+        out = {}
+        for g, names in enumerate(parts):
+            rows = index[:, g].reshape(-1).to(self.flat[names[0]].device)
+            for name in names:
+                v = self.flat[name].index_select(0, rows)
+                out[name] = v.reshape(calls * self.unit[0], *self.unit[1:], *v.shape[1:])
+        return {k: out.get(k, v) for k, v in self.flat.items()}
+
+
+class Calibration:
+    """The timed loop run by the harness's own null worker (a solution that does nothing), per shape: its wall time
+    is the loop's overhead, which the clock check subtracts. Measured before the solution's worker starts, so that
+    no solution process exists to slow it down."""
+
+    REPEATS = 3
+
+    def __init__(self, defn: Definition, device: str, timeout_s: float, hide: list[Path]):
+        self.defn, self.device, self.timeout_s, self.hide = defn, device, timeout_s, hide
+        self.walls: dict[tuple, float] = {}
+        self.loops: dict[tuple, object] = {}
+        self.worker: Worker | None = None
+
+    def measure(self, pristine: dict, axes: dict, parts, n_prefix: int, n_calls: int, pool_programs: int) -> None:
+        key = _key(axes, n_calls, pool_programs)
+        if key in self.walls:
+            return
+        if self.worker is None:
+            self.worker = Worker(null_solution(self.defn), self.defn, self.device, self.timeout_s, self.hide)
+        batched = {name for p in parts for name in p}
+        n_programs = math.prod(pristine[parts[0][0]].shape[:n_prefix])
+        rows = torch.arange(pool_programs, device=next(iter(pristine.values())).device) % n_programs
+        pool = {k: (_flat(v, n_prefix).index_select(0, rows).reshape(-1, *v.shape[1:]) if k in batched else v)
+                for k, v in pristine.items()}
+        walls = []
+        for status, log, _ in _timed_loop(self.worker, pristine, pool, axes, parts, n_prefix, n_calls,
+                                          n_programs, pool_programs, self.REPEATS, walls):
+            if status != "ok":
+                raise HarnessError(f"the null worker failed its timed loop: {log}")
+            self.loops[key] = log.get("loop_ms")
+        self.walls[key] = statistics.median(walls)
+
+    def wall(self, axes: dict, n_calls: int, pool_programs: int) -> float:
+        return self.walls[_key(axes, n_calls, pool_programs)]
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+def _key(axes: dict, n_calls: int, pool_programs: int) -> tuple:
+    return tuple(sorted(axes.items())), n_calls, pool_programs
+
+
+def _timed_loop(worker: Worker, warm: dict, pool: dict, axes: dict, parts, n_prefix: int, n_calls: int,
+                n_programs: int, pool_programs: int, repeats: int, walls: list):
+    """Yields (status, header or log, index) per repeat of the worker's timed loop; appends each wall time (ms) from
+    sending the schedule to receiving the reply to `walls`."""
+    status, log, _ = worker.request({"op": "time_prepare", "axes": axes, "parts": parts, "n_prefix": n_prefix,
+                                     "n_calls": n_calls}, warm, "capturing")
+    if status == "ok":
+        status, log, _ = worker.request({"op": "time_pool"}, pool, "loading the pool")
+    if status != "ok":
+        yield status, log, None
+        return
+    device = next(iter(pool.values())).device
+    for _ in range(repeats):
+        seed = int.from_bytes(os.urandom(7), "little")
+        gc.collect()
+        gc.disable()            # a collection of this process's large heap inside the window reads as the solution's
+        try:
+            t0 = time.perf_counter()
+            status, header, _ = worker.request({"op": "time_run", "seed": seed}, None, "timing")
+            walls.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            gc.enable()
+        yield status, header, timing.schedule(n_calls, len(parts), n_programs, pool_programs, seed, device)
+
+
 def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device: str, timeout_s: float = 300.0,
              on_result: Callable[[Result], None] = lambda r: None, timed: bool | None = None,
-             bandwidth: float | None = None, root: str | Path = ".") -> list[Result]:
-    """Judge one solution on each workload in its own worker process; on a GPU, time the ones that pass, each against
-    the memory floor at `bandwidth` (bytes/s; measured now if not given). The workloads' blobs are under `root`."""
+             bandwidth: float | None = None, root: str | Path = ".", run_seed: int | None = None,
+             keep_going: bool = False, calibration: Calibration | None = None) -> list[Result]:
+    """Judge one solution on each workload, on its committed inputs and on fresh inputs drawn from `run_seed` (a
+    fresh random seed when None); on a GPU, time the ones that pass on fresh inputs, every timed call judged, each
+    against the memory floor at `bandwidth` (bytes/s; measured now if not given). The blobs are under `root`."""
     timed = device == "cuda" if timed is None else timed
     if timed and bandwidth is None:
         bandwidth = timing.copy_bandwidth(device)
+    run_seed = int.from_bytes(os.urandom(7), "little") if run_seed is None else run_seed
     op = load_op(defn.op_type)
-    worker = Worker(sol, defn, device, timeout_s)
-    results = []
+    hide = [Path(root).resolve(), Path.cwd()]
+    own_calibration = timed and calibration is None
+    if own_calibration:
+        calibration = Calibration(defn, device, timeout_s, hide)
+    worker = Worker(sol, defn, device, timeout_s, hide)
+    results, stopped = [], None
     try:
+        if timed:
+            _calibrate(defn, op, calibration, workloads, device, root)
         for w in workloads:
-            result = Result(sol.name, w, PASSED)
-            try:
-                pristine = load_inputs(defn, w, device, root)
-            except HarnessError as e:
-                result.status, result.log = RUNTIME_ERROR, f"workload: {e}"
+            result = Result(sol.name, w, PASSED, isolation=worker.isolation, sha256=worker.sha256)
+            if stopped:
+                result.status, result.log = stopped
             else:
-                _judge_one(defn, op, worker, pristine, result)
-                if timed and result.status == PASSED:
-                    _time_one(defn, op, worker, pristine, result, bandwidth)
-                del pristine
+                _evaluate_one(defn, op, worker, w, device, root, run_seed, timed, bandwidth, calibration, result)
+                if worker.fatal and not keep_going:
+                    stopped = (result.status, f"not run: the worker was stopped on {w.label} ({worker.fatal})"[:400])
             results.append(result)
             on_result(result)
     finally:
-        worker.stop()
+        worker.close()
+        if own_calibration:
+            calibration.close()
     return results
 
 
-def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result) -> None:
-    axes = defn.resolve_axes(result.workload.axes)
-    used = {k: v.clone() for k, v in pristine.items()}
-    status, payload = worker.call("run", used, axes)
-    if status != "ok":
-        result.status, result.log = status, payload
+def _calibrate(defn, op, calibration: Calibration, workloads, device, root) -> None:
+    parts = program_parts(defn, op)
+    _, n_prefix = program_layout(defn)
+    for w in workloads:
+        axes = defn.resolve_axes(w.axes)
+        try:
+            pristine = load_inputs(defn, w, device, root)
+        except HarnessError:
+            continue                        # reported as that workload's error
+        n_programs = math.prod(pristine[parts[0][0]].shape[:n_prefix])
+        pool_programs = n_programs * math.ceil(timing.POOL_PROGRAMS / n_programs)
+        calibration.measure(pristine, axes, parts, n_prefix, timing.timed_calls(n_programs), pool_programs)
+
+
+def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_seed: int, timed: bool,
+                  bandwidth, calibration, result: Result) -> None:
+    try:
+        pristine = load_inputs(defn, w, device, root)
+    except HarnessError as e:
+        result.status, result.log = RUNTIME_ERROR, f"workload: {e}"
         return
-    outputs, devices = payload
-    device = next(iter(pristine.values())).device
-    result.status, result.log = check_outputs(defn, outputs, devices, axes, device.type)
+    _judge_one(defn, op, worker, pristine, result)
     if result.status != PASSED:
         return
-    name = modified_input(pristine, used)
-    if name is not None:
-        result.status, result.log = RUNTIME_ERROR, f"the solution modified its input {name!r}"
-        return
-    outputs = tuple(t.to(device) for t in outputs)
-    verdict = op.judge(pristine, outputs, defn.reference_run()(**pristine))
-    result.verdict = verdict
-    if not verdict.passed:
-        result.status, result.log = INCORRECT_NUMERICAL, verdict.reason
+    result.fresh_seed = fresh_seed(run_seed, w)
+    programs = Programs(defn, w, result.fresh_seed, device, timed)
+    _judge_one(defn, op, worker, programs.first(), result, "fresh inputs: ")
+    if result.status == PASSED and timed:
+        _time_one(defn, op, worker, pristine, programs, result, bandwidth, calibration)
 
 
-def _time_one(defn, op, worker: Worker, pristine: dict, result: Result, bandwidth: float) -> None:
-    """Time the solution, judge the outputs of the timed calls, and refuse a physically impossible median."""
+def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: str = "") -> None:
     axes = defn.resolve_axes(result.workload.axes)
-    batched, n_prefix = program_layout(defn)
-    n_programs = math.prod(pristine[batched[0]].shape[:n_prefix])
-    perms, samples = timing.schedule(n_programs, result.workload.seed)
-    status, payload = worker.call("time", {k: v.clone() for k, v in pristine.items()}, axes, batched, n_prefix,
-                                  perms, samples)
+    status, header, tensors = worker.request({"op": "run", "axes": axes}, pristine)
     if status != "ok":
-        result.status, result.log = status, f"while timing: {payload}"
+        result.status, result.log = status, what + header
         return
-    t, sampled, last_outputs = payload
     device = next(iter(pristine.values())).device
+    result.status, result.log = check_outputs(defn, header.get("outputs"), tensors, axes, device.type)
+    if result.status != PASSED:
+        result.log = what + result.log
+        return
+    outputs = tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
+    verdict = op.judge(pristine, outputs, defn.reference_run()(**pristine))
+    if result.verdict is None or not verdict.passed or \
+            (verdict.worst_head_ratio or 0) > (result.verdict.worst_head_ratio or 0):
+        result.verdict = verdict            # the worse of the committed and the fresh inputs' verdicts
+    if not verdict.passed:
+        result.status, result.log = INCORRECT_NUMERICAL, what + verdict.reason
+
+
+def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, result: Result, bandwidth: float,
+              calibration: Calibration) -> None:
+    """Time the solution on fresh programs, judge every timed call's outputs, and refuse a median that the
+    harness's clock or the memory floor contradicts."""
+    axes = defn.resolve_axes(result.workload.axes)
+    parts = program_parts(defn, op)
+    n, n_calls = programs.n_programs, timing.timed_calls(programs.n_programs)
+    walls: list[float] = []
+    [(status, header, index)] = list(_timed_loop(worker, pristine, programs.pool, axes, parts, programs.n_prefix,
+                                                 n_calls, n, programs.pool_programs, 1, walls))
+    if status != "ok":
+        result.status, result.log = status, f"while timing: {header}"
+        return
+    latencies = header.get("latencies_ms")
+    if not isinstance(latencies, list) or len(latencies) != n_calls or \
+            not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in latencies):
+        result.status, result.log = RUNTIME_ERROR, "while timing: the reply holds no valid latencies"
+        return
+    chunk = max(1, JUDGED_PROGRAMS // n)
     reference = defn.reference_run()
-    flat = {k: (v.reshape(-1, *v.shape[n_prefix:]) if k in batched else v) for k, v in pristine.items()}
-    timed_perms = perms[timing.WARMUP_CALLS:]
-    checks = [(perm[sample], outs) for perm, sample, outs in zip(timed_perms, samples, sampled)]
-    checks.append((timed_perms[-1], last_outputs))
-    for k, (programs, outs) in enumerate(checks):
-        programs = programs.to(device)
-        inputs = {n: (v.index_select(0, programs)[None] if n in batched else v) for n, v in flat.items()}
-        outs = tuple(o.to(device).reshape(1, -1, *o.shape[n_prefix if k == len(checks) - 1 else 1:])
-                     for o in outs)
+    for first in range(0, n_calls, chunk):
+        count = min(chunk, n_calls - first)
+        status, reply, tensors = worker.request({"op": "time_outputs", "first": first, "count": count}, None,
+                                                "sending the timed outputs")
+        if status != "ok":
+            result.status, result.log = status, f"timed calls {first}..: {reply}"
+            return
+        device = programs.flat[parts[0][0]].device
+        specs = [{"kind": "tensor", "device": device.type}] * len(defn.outputs)
+        status, log = check_outputs(defn, specs, tensors, axes, device.type, leading=count)
+        if status != PASSED:
+            result.status, result.log = status, f"timed calls {first}..: {log}"
+            return
+        inputs = programs.inputs(index[first:first + count], parts)
+        outs = tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
         verdict = op.judge(inputs, outs, reference(**inputs))
         if not verdict.passed:
-            result.status = INCORRECT_NUMERICAL
-            result.log = f"timed call {min(k, len(checks) - 2)}: {verdict.reason}"
+            result.status, result.log = INCORRECT_NUMERICAL, f"timed calls {first}-{first + count - 1}: " \
+                                                             f"{verdict.reason}"
             return
-    result.latency_ms = t.median_ms
+    null_wall = calibration.wall(axes, n_calls, programs.pool_programs)
+    result.clock = {"timed_calls": n_calls, "wall_ms": walls[0], "null_wall_ms": null_wall,
+                    "reported_ms": sum(latencies), "worker_loop_ms": header.get("loop_ms"),
+                    "null_worker_loop_ms": calibration.loops.get(_key(axes, n_calls, programs.pool_programs))}
+    refused = timing.clock_disagreement(latencies, walls[0], null_wall)
+    if refused:
+        result.status, result.log = RUNTIME_ERROR, f"timing refused: {refused}"
+        return
+    result.latency_ms = statistics.median(latencies)
     result.floor_ms = floor_ms(defn, axes, bandwidth)
     if result.latency_ms < timing.IMPOSSIBLE_FRACTION * result.floor_ms:
         result.status = RUNTIME_ERROR

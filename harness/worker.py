@@ -1,0 +1,128 @@
+"""A solution's worker process: `python -m harness.worker FD`, started by harness.runner inside the sandbox.
+
+It loads the solution named in the first message and answers requests on the socket FD (harness.wire messages):
+"run" (the outputs of one call), the timed loop's "time_prepare", "time_pool", "time_run" and "time_outputs"
+(harness.timing.TimedLoop), and "stop". Everything it sends is data that the harness checks; nothing in this process
+is trusted, since the solution's code runs in it.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from harness import timing, wire
+from harness.definition import parse_definition
+from harness.solutions import NULL, Solution, load_entry, reference_solution, null_solution
+
+WAIT_FOREVER = 1e9
+
+
+def _one_line(e: BaseException) -> str:
+    """The exception as one line, with the deepest frame of the solution's own code when there is one."""
+    msg = " ".join(str(e).split()) or "(no message)"
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/harness/" not in f.filename]
+    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    return f"{type(e).__name__}: {msg[:400]}{where}"
+
+
+def describe_outputs(out) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """What a call returned, as descriptors the harness checks (a plain dense tensor, or what else it was) and the
+    tensors to send (moved to the CPU)."""
+    if not isinstance(out, tuple):
+        return [{"kind": type(out).__name__}], {}
+    specs, tensors = [], {}
+    for i, t in enumerate(out):
+        if type(t) is not torch.Tensor:
+            specs.append({"kind": type(t).__name__})
+        elif t.layout != torch.strided:
+            specs.append({"kind": f"tensor with layout {t.layout}"})
+        else:
+            specs.append({"kind": "tensor", "device": str(t.device)})
+            tensors[f"out{i}"] = t.detach().cpu()
+    return specs, tensors
+
+
+def _load(msg: dict, device: str):
+    defn = parse_definition(msg["definition"], "definition")
+    spec = msg["solution"]
+    if spec["name"] == "reference":
+        sol = reference_solution(defn)
+    elif spec["name"] == NULL:
+        sol = null_solution(defn)
+    else:
+        sol = Solution(spec["name"], defn.name, "", spec["language"], spec["entry_file"], spec["entry_function"],
+                       spec["destination_passing_style"], sources=tuple(spec["sources"]),
+                       folder=Path(msg["solution_dir"]))
+    return load_entry(sol, defn)
+
+
+def serve(sock: socket.socket) -> None:
+    msg, _ = wire.receive(sock, WAIT_FOREVER)
+    device = msg["device"]
+    if device == "cpu":
+        # one intra-op thread: with more, torch's CPU matmuls came out with other roundings in about one start in
+        # ten, enough to flip a sensitive edge head across the criterion from one identical run to the next
+        torch.set_num_threads(1)
+    try:
+        fn = _load(msg, device)
+    except BaseException as e:  # noqa: BLE001 - any failure to load is the solution's compile error
+        wire.send(sock, {"status": "compile_error", "message": _one_line(e)})
+        return
+    wire.send(sock, {"status": "ready"})
+    loop = None
+    while True:
+        try:
+            msg, tensors = wire.receive(sock, WAIT_FOREVER)
+        except EOFError:
+            return
+        op = msg["op"]
+        if op == "stop":
+            return
+        try:
+            if op == "run":
+                inputs = {k: v.to(device) for k, v in tensors.items()}
+                specs, out = describe_outputs(fn(inputs, msg["axes"]))
+                wire.send(sock, {"status": "ok", "outputs": specs}, out)
+            elif op == "time_prepare":
+                loop = None
+                warm = {k: v.to(device) for k, v in tensors.items()}
+                loop = timing.TimedLoop(fn, warm, msg["axes"], msg["parts"], msg["n_prefix"], msg["n_calls"])
+                wire.send(sock, {"status": "ok"})
+            elif op == "time_pool":
+                loop.load_pool(tensors)
+                gc.collect()    # before the clock starts: the timed request then runs with collection off
+                wire.send(sock, {"status": "ok"})
+            elif op == "time_run":
+                gc.disable()    # no collection pause between the harness's clock and the loop
+                try:
+                    latencies = loop.run(int(msg["seed"]))
+                    wire.send(sock, {"status": "ok", "latencies_ms": latencies, "loop_ms": loop.loop_ms})
+                finally:
+                    gc.enable()
+            elif op == "time_outputs":
+                outs = loop.outputs_of(msg["first"], msg["count"])
+                wire.send(sock, {"status": "ok"}, {f"out{i}": t.cpu() for i, t in enumerate(outs)})
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        except BaseException as e:  # noqa: BLE001 - reported as the workload's RUNTIME_ERROR
+            wire.send(sock, {"status": "error", "message": _one_line(e)})
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    try:
+        serve(sock)
+    finally:
+        sock.close()
+        sys.stdout.flush()
+        os._exit(0)         # no atexit hooks of the solution's: the harness has its answers
+
+
+if __name__ == "__main__":
+    main()
