@@ -187,16 +187,6 @@ def program_layout(defn: Definition) -> tuple[tuple[str, ...], int]:
     return batched, n
 
 
-def program_parts(defn: Definition, op) -> list[list[str]]:
-    """The batched inputs in groups that a timed call may draw from different programs (the operator's
-    PROGRAM_PARTS, else one group)."""
-    batched, _ = program_layout(defn)
-    parts = [list(p) for p in getattr(op, "PROGRAM_PARTS", (batched,))]
-    if sorted(n for p in parts for n in p) != sorted(batched):
-        raise HarnessError(f"{defn.op_type}: PROGRAM_PARTS {parts} do not split the batched inputs {batched}")
-    return parts
-
-
 def floor_ms(defn: Definition, axes: dict, bandwidth: float) -> float:
     """Every input read once and every output written once, at the measured copy rate."""
     nbytes = sum(math.prod(defn.shape(s, axes)) * s.torch_dtype.itemsize
@@ -236,15 +226,12 @@ class Programs:
         return {k: (v[:self.n_programs].reshape(*self.unit, *v.shape[1:]) if k in self.batched else v)
                 for k, v in self.flat.items()}
 
-    def inputs(self, index: torch.Tensor, parts: list[list[str]]) -> dict:
-        calls = index.shape[0]
-        out = {}
-        for g, names in enumerate(parts):
-            rows = index[:, g].reshape(-1).to(self.flat[names[0]].device)
-            for name in names:
-                v = self.flat[name].index_select(0, rows)
-                out[name] = v.reshape(calls * self.unit[0], *self.unit[1:], *v.shape[1:])
-        return {k: out.get(k, v) for k, v in self.flat.items()}
+    def calls(self, op, index: torch.Tensor, variants: dict, first: int, count: int) -> dict:
+        """The inputs of timed calls first .. first + count - 1 (timing.call_inputs), concatenated along the first
+        dim."""
+        calls = [timing.call_inputs(op, self.flat, self.batched, self.unit, index, variants, k)
+                 for k in range(first, first + count)]
+        return {k: (torch.cat([c[k] for c in calls]) if k in self.batched else v) for k, v in self.flat.items()}
 
 
 class Calibration:
@@ -260,19 +247,19 @@ class Calibration:
         self.loops: dict[tuple, object] = {}
         self.worker: Worker | None = None
 
-    def measure(self, pristine: dict, axes: dict, parts, n_prefix: int, n_calls: int, pool_programs: int) -> None:
+    def measure(self, op, pristine: dict, axes: dict, batched, n_prefix: int, n_calls: int,
+                pool_programs: int) -> None:
         key = _key(axes, n_calls, pool_programs)
         if key in self.walls:
             return
         if self.worker is None:
             self.worker = Worker(null_solution(self.defn), self.defn, self.device, self.timeout_s, self.hide)
-        batched = {name for p in parts for name in p}
-        n_programs = math.prod(pristine[parts[0][0]].shape[:n_prefix])
+        n_programs = math.prod(pristine[batched[0]].shape[:n_prefix])
         rows = torch.arange(pool_programs, device=next(iter(pristine.values())).device) % n_programs
         pool = {k: (_flat(v, n_prefix).index_select(0, rows).reshape(-1, *v.shape[1:]) if k in batched else v)
                 for k, v in pristine.items()}
         walls = []
-        for status, log, _ in _timed_loop(self.worker, pristine, pool, axes, parts, n_prefix, n_calls,
+        for status, log, _ in _timed_loop(op, self.worker, pristine, pool, axes, batched, n_prefix, n_calls,
                                           n_programs, pool_programs, self.REPEATS, walls):
             if status != "ok":
                 raise HarnessError(f"the null worker failed its timed loop: {log}")
@@ -291,12 +278,12 @@ def _key(axes: dict, n_calls: int, pool_programs: int) -> tuple:
     return tuple(sorted(axes.items())), n_calls, pool_programs
 
 
-def _timed_loop(worker: Worker, warm: dict, pool: dict, axes: dict, parts, n_prefix: int, n_calls: int,
+def _timed_loop(op, worker: Worker, warm: dict, pool: dict, axes: dict, batched, n_prefix: int, n_calls: int,
                 n_programs: int, pool_programs: int, repeats: int, walls: list):
-    """Yields (status, header or log, index) per repeat of the worker's timed loop; appends each wall time (ms) from
-    sending the schedule to receiving the reply to `walls`."""
-    status, log, _ = worker.request({"op": "time_prepare", "axes": axes, "parts": parts, "n_prefix": n_prefix,
-                                     "n_calls": n_calls}, warm, "capturing")
+    """Yields (status, header or log, (index, variants)) per repeat of the worker's timed loop (timing.draw_calls
+    of the seed sent); appends each wall time (ms) from sending the seed to receiving the reply to `walls`."""
+    status, log, _ = worker.request({"op": "time_prepare", "axes": axes, "batched": list(batched),
+                                     "n_prefix": n_prefix, "n_calls": n_calls}, warm, "capturing")
     if status == "ok":
         status, log, _ = worker.request({"op": "time_pool"}, pool, "loading the pool")
     if status != "ok":
@@ -313,7 +300,7 @@ def _timed_loop(worker: Worker, warm: dict, pool: dict, axes: dict, parts, n_pre
             walls.append((time.perf_counter() - t0) * 1e3)
         finally:
             gc.enable()
-        yield status, header, timing.schedule(n_calls, len(parts), n_programs, pool_programs, seed, device)
+        yield status, header, timing.draw_calls(n_calls, n_programs, pool_programs, seed, op, axes, device)
 
 
 def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device: str, timeout_s: float = 300.0,
@@ -355,17 +342,16 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
 
 
 def _calibrate(defn, op, calibration: Calibration, workloads, device, root) -> None:
-    parts = program_parts(defn, op)
-    _, n_prefix = program_layout(defn)
+    batched, n_prefix = program_layout(defn)
     for w in workloads:
         axes = defn.resolve_axes(w.axes)
         try:
             pristine = load_inputs(defn, w, device, root)
         except HarnessError:
             continue                        # reported as that workload's error
-        n_programs = math.prod(pristine[parts[0][0]].shape[:n_prefix])
+        n_programs = math.prod(pristine[batched[0]].shape[:n_prefix])
         pool_programs = n_programs * math.ceil(timing.POOL_PROGRAMS / n_programs)
-        calibration.measure(pristine, axes, parts, n_prefix, timing.timed_calls(n_programs), pool_programs)
+        calibration.measure(op, pristine, axes, batched, n_prefix, timing.timed_calls(n_programs), pool_programs)
 
 
 def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_seed: int, timed: bool,
@@ -410,10 +396,10 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
     """Time the solution on fresh programs, judge every timed call's outputs, and refuse a median that the
     harness's clock or the memory floor contradicts."""
     axes = defn.resolve_axes(result.workload.axes)
-    parts = program_parts(defn, op)
+    batched, n_prefix = program_layout(defn)
     n, n_calls = programs.n_programs, timing.timed_calls(programs.n_programs)
     walls: list[float] = []
-    [(status, header, index)] = list(_timed_loop(worker, pristine, programs.pool, axes, parts, programs.n_prefix,
+    [(status, header, drawn)] = list(_timed_loop(op, worker, pristine, programs.pool, axes, batched, n_prefix,
                                                  n_calls, n, programs.pool_programs, 1, walls))
     if status != "ok":
         result.status, result.log = status, f"while timing: {header}"
@@ -423,6 +409,8 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
             not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in latencies):
         result.status, result.log = RUNTIME_ERROR, "while timing: the reply holds no valid latencies"
         return
+    index, variants = drawn
+    device = index.device
     chunk = max(1, JUDGED_PROGRAMS // n)
     reference = defn.reference_run()
     for first in range(0, n_calls, chunk):
@@ -432,13 +420,12 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
         if status != "ok":
             result.status, result.log = status, f"timed calls {first}..: {reply}"
             return
-        device = programs.flat[parts[0][0]].device
         specs = [{"kind": "tensor", "device": device.type}] * len(defn.outputs)
         status, log = check_outputs(defn, specs, tensors, axes, device.type, leading=count)
         if status != PASSED:
             result.status, result.log = status, f"timed calls {first}..: {log}"
             return
-        inputs = programs.inputs(index[first:first + count], parts)
+        inputs = programs.calls(op, index, variants, first, count)
         outs = tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
         verdict = op.judge(inputs, outs, reference(**inputs))
         if not verdict.passed:

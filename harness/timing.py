@@ -5,9 +5,11 @@ Where each piece runs, and why a solution cannot bend the figure:
 - In the solution's worker (the only place its CUDA graph can be replayed; it is untrusted, since the solution
   shares the process): `TimedLoop`. Warm-up and capture happen first, on the workload's committed inputs, into
   INPUT_SETS input sets with one graph each. Then the harness sends a *pool* of fresh programs (drawn by the harness
-  from a seed that exists only in this run) and, last, the seed of the *schedule*: for every timed call and every
-  independent part of a program (here the checkpoint and the window), which pool programs it takes. Call k refills its input set
-  from the pool by that schedule, poisons the outputs (NaN; the minimum for integers), flushes the L2 with a write
+  from a seed that exists only in this run) and, last, the seed of the *schedule*: which pool programs every timed
+  call takes and under which of the operator's symmetries (here a signed permutation of the value and of the key
+  axis, exact in every dtype, which maps a state S to D_v P_v S P_k D_k and changes every output), so that no two
+  calls, and no call and the pool, hold the same program. Call k refills its input set from the pool by that
+  schedule, poisons the outputs (NaN; the minimum for integers), flushes the L2 with a write
   twice its size, replays the graph between two CUDA events and copies the outputs aside. So every timed call runs
   on programs that did not exist before its schedule arrived: nothing can be looked up or computed ahead.
 - In the harness (trusted): the schedule, drawn only after the pool is in place; the judge, which checks the
@@ -23,6 +25,7 @@ inside a serving engine; one that is not is refused with `NotCapturable`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -48,14 +51,25 @@ def timed_calls(n_programs: int) -> int:
     return min(MAX_CALLS, max(MIN_CALLS, math.ceil(TIMED_PROGRAMS / n_programs)))
 
 
-def schedule(n_calls: int, n_parts: int, n_programs: int, pool_programs: int, seed: int,
-             device="cpu") -> torch.Tensor:
-    """int64 [n_calls, n_parts, n_programs] on `device`: for call k and part g, the pool program each program slot
-    takes, without repeats within a call and part. A pure function of its arguments on one device and torch build,
-    so that the harness sends only the seed into the timed region and judges with its own copy."""
+def draw_calls(n_calls: int, n_programs: int, pool_programs: int, seed: int, op, axes: dict,
+               device="cpu") -> tuple[torch.Tensor, dict]:
+    """What the timed calls run on, as a pure function of its arguments on one device and torch build (so that the
+    harness sends only the seed into the timed region and judges with its own copy): int64 [n_calls, n_programs],
+    the pool program each program slot of call k takes (no repeats within a call), and, when the operator declares
+    symmetries (`draw_variants` / `apply_variant`), the parameters of the one applied to each call."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    keys = torch.rand(n_calls, n_parts, pool_programs, generator=gen, device=device)
-    return torch.argsort(keys, dim=-1, stable=True)[..., :n_programs]
+    keys = torch.rand(n_calls, pool_programs, generator=gen, device=device)
+    index = torch.argsort(keys, dim=-1, stable=True)[:, :n_programs]
+    variants = op.draw_variants(n_calls, axes, gen) if hasattr(op, "draw_variants") else {}
+    return index, variants
+
+
+def call_inputs(op, pool: dict, batched, unit: tuple, index: torch.Tensor, variants: dict, k: int) -> dict:
+    """The inputs of timed call k: programs index[k] of the pool (batched inputs flattened over the program axes),
+    in the shape `unit` of the program axes, under the operator's symmetry k."""
+    x = {name: (v.index_select(0, index[k]).reshape(*unit, *v.shape[1:]) if name in batched else v)
+         for name, v in pool.items()}
+    return op.apply_variant(x, {n: p[k] for n, p in variants.items()}) if variants else x
 
 
 def poison(outputs) -> None:
@@ -88,64 +102,99 @@ def _flat(t: torch.Tensor, n_prefix: int) -> torch.Tensor:
     return t.view(-1, *t.shape[n_prefix:])
 
 
-class TimedLoop:
-    """The worker's half of a timed measurement (see the module docstring): `prepare` on the warm-up inputs, then
-    `load_pool`, `run(schedule)` and `outputs(first, count)`."""
+class _Rerun:
+    """The CPU's stand-in for a captured CUDA graph (so that the whole timed path runs in CI): `replay` calls again
+    and copies what it returns into the first call's outputs."""
 
-    def __init__(self, call: Callable, warm: dict, axes: dict, parts: list[list[str]], n_prefix: int, n_calls: int):
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self) -> None:
+        out = self.fn()
+        for dst, src in zip(self.out or (), out or ()):
+            dst.copy_(src)
+
+
+class TimedLoop:
+    """The worker's half of a timed measurement (see the module docstring): built on the warm-up inputs (warm-up,
+    capture), then `load_pool`, `run(seed)` and `outputs_of(first, count)`. On the CPU (tests only) graphs are
+    plain calls and the clock is time.perf_counter."""
+
+    def __init__(self, call: Callable, warm: dict, axes: dict, batched: list[str], n_prefix: int, n_calls: int, op):
         self.device = next(iter(warm.values())).device
-        self.parts, self.n_prefix, self.n_calls = parts, n_prefix, n_calls
-        self.stream = torch.cuda.Stream(self.device)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.cuda = self.device.type == "cuda"
+        self.axes, self.batched, self.n_prefix, self.n_calls, self.op = axes, set(batched), n_prefix, n_calls, op
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.sets = [{k: v.clone() for k, v in warm.items()} for _ in range(INPUT_SETS)]
         self.graphs, self.outputs = [], []
-        with torch.cuda.stream(self.stream):
+        with self._on_stream():
             for s in self.sets:
                 for _ in range(2):
                     call(s, axes)               # warm-up: compilation, autotuning caches, allocator
-            torch.cuda.synchronize(self.device)
+            self._synchronize()
             for s in self.sets:
-                graph, out = capture(lambda: call(s, axes), self.stream)
+                graph, out = self._capture(lambda s=s: call(s, axes))
                 self.graphs.append(graph)
                 self.outputs.append(tuple(out))
             for graph in self.graphs:
                 for _ in range(WARMUP_REPLAYS):
                     graph.replay()
         for out in self.outputs:
-            if any(not isinstance(t, torch.Tensor) or t.device != self.device for t in out):
+            if any(type(t) is not torch.Tensor or t.device != self.device for t in out):
                 raise TypeError("the captured call returned something other than tensors on the inputs' device")
         self.slots = [tuple(torch.empty_like(t) for t in self.outputs[0]) for _ in range(n_calls)]
-        self.scratch = l2_flush_buffer(self.device)
-        torch.cuda.synchronize(self.device)
+        self.scratch = l2_flush_buffer(self.device) if self.cuda else torch.empty(1, dtype=torch.uint8)
+        self._synchronize()
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    def _capture(self, fn: Callable):
+        if self.cuda:
+            return capture(fn, self.stream)
+        rerun = _Rerun(fn)
+        return rerun, rerun.out
+
+    def _synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _stamp(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def _elapsed_ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
 
     def load_pool(self, pool: dict) -> None:
         """Take the pool of fresh programs, capture each call's preparation as a graph of its own (so that the loop
         launches four things a call and the GPU, not the host, sets its pace) and run the loop once, untimed, so
         that every kernel it uses is loaded before the clock starts."""
-        batched = {name for part in self.parts for name in part}
-        self.pool = {k: (_flat(v, self.n_prefix) if k in batched else v).to(self.device) for k, v in pool.items()}
-        for s in self.sets:
-            for name in s.keys() - batched:
-                s[name].copy_(self.pool[name])
-        n_programs = _flat(self.sets[0][self.parts[0][0]], self.n_prefix).shape[0]
-        pool_programs = self.pool[self.parts[0][0]].shape[0]
-        self.index = torch.zeros(self.n_calls, len(self.parts), n_programs, dtype=torch.int64, device=self.device)
-        with torch.cuda.stream(self.stream):
-            self.prepares = [capture(lambda: self._prepare(k), self.stream)[0] for k in range(self.n_calls)]
-            self.finish = capture(lambda: self._copy_out(self.n_calls - 1), self.stream)[0]
-        self.pool_programs = pool_programs
+        self.pool = {k: (_flat(v, self.n_prefix) if k in self.batched else v).to(self.device) for k, v in pool.items()}
+        self.unit = tuple(self.sets[0][next(iter(self.batched))].shape[:self.n_prefix])
+        self.pool_programs = self.pool[next(iter(self.batched))].shape[0]
+        self.index, self.variants = draw_calls(self.n_calls, math.prod(self.unit), self.pool_programs, 0, self.op,
+                                               self.axes, self.device)
+        with self._on_stream():
+            self.prepares = [self._capture(lambda k=k: self._prepare(k))[0] for k in range(self.n_calls)]
+            self.finish = self._capture(lambda: self._copy_out(self.n_calls - 1))[0]
         self.run(int.from_bytes(os.urandom(7), "little"))
-        torch.cuda.synchronize(self.device)
 
     def _prepare(self, k: int) -> None:
-        """Before call k: keep call k - 1's outputs, refill call k's input set from the pool by index[k], poison its
-        outputs and flush the L2."""
+        """Before call k: keep call k - 1's outputs, refill call k's input set from the pool (index[k], symmetry k),
+        poison its outputs and flush the L2."""
         if k:
             self._copy_out(k - 1)
         i = k % INPUT_SETS
-        for g, names in enumerate(self.parts):
-            for name in names:
-                torch.index_select(self.pool[name], 0, self.index[k, g], out=_flat(self.sets[i][name], self.n_prefix))
+        inputs = call_inputs(self.op, self.pool, self.batched, self.unit, self.index, self.variants, k)
+        for name, t in self.sets[i].items():
+            t.copy_(inputs[name])
         poison(self.outputs[i])
         self.scratch.fill_(k & 0xFF)
 
@@ -154,25 +203,26 @@ class TimedLoop:
             dst.copy_(src)
 
     def run(self, seed: int) -> list[float]:
-        """Latency (ms) of each timed call; call k's part g takes the pool programs schedule(..., seed)[k, g]."""
-        events = []
+        """Latency (ms) of each timed call, on the pool programs and symmetries draw_calls(..., seed) gives."""
         t0 = time.perf_counter()
-        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
-            self.index.copy_(schedule(*self.index.shape, self.pool_programs, seed, self.device))
-            first.record(self.stream)
+        stamps = []
+        with self._on_stream():
+            index, variants = draw_calls(self.n_calls, math.prod(self.unit), self.pool_programs, seed, self.op,
+                                         self.axes, self.device)
+            self.index.copy_(index)
+            for name, params in variants.items():
+                self.variants[name].copy_(params)
+            first = self._stamp()
             for k in range(self.n_calls):
                 self.prepares[k].replay()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(self.stream)
+                start = self._stamp()
                 self.graphs[k % INPUT_SETS].replay()
-                end.record(self.stream)
-                events.append((start, end))
+                stamps.append((start, self._stamp()))
             self.finish.replay()
-            last.record(self.stream)
-        torch.cuda.synchronize(self.device)
-        self.loop_ms = ((time.perf_counter() - t0) * 1e3, first.elapsed_time(last))
-        return [s.elapsed_time(e) for s, e in events]
+            last = self._stamp()
+        self._synchronize()
+        self.loop_ms = ((time.perf_counter() - t0) * 1e3, self._elapsed_ms(first, last))
+        return [self._elapsed_ms(a, b) for a, b in stamps]
 
     def outputs_of(self, first: int, count: int) -> tuple:
         """The outputs of calls first .. first + count - 1, concatenated along the program axes' first dim."""

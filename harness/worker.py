@@ -18,6 +18,7 @@ import torch
 
 from harness import timing, wire
 from harness.definition import parse_definition
+from harness.ops import load_op
 from harness.solutions import NULL, Solution, load_entry, reference_solution, null_solution
 
 WAIT_FOREVER = 1e9
@@ -48,8 +49,7 @@ def describe_outputs(out) -> tuple[list[dict], dict[str, torch.Tensor]]:
     return specs, tensors
 
 
-def _load(msg: dict, device: str):
-    defn = parse_definition(msg["definition"], "definition")
+def _load(msg: dict, defn):
     spec = msg["solution"]
     if spec["name"] == "reference":
         sol = reference_solution(defn)
@@ -70,7 +70,9 @@ def serve(sock: socket.socket) -> None:
         # ten, enough to flip a sensitive edge head across the criterion from one identical run to the next
         torch.set_num_threads(1)
     try:
-        fn = _load(msg, device)
+        defn = parse_definition(msg["definition"], "definition")
+        op = load_op(defn.op_type)
+        fn = _load(msg, defn)
     except BaseException as e:  # noqa: BLE001 - any failure to load is the solution's compile error
         wire.send(sock, {"status": "compile_error", "message": _one_line(e)})
         return
@@ -81,35 +83,35 @@ def serve(sock: socket.socket) -> None:
             msg, tensors = wire.receive(sock, WAIT_FOREVER)
         except EOFError:
             return
-        op = msg["op"]
-        if op == "stop":
+        request = msg["op"]
+        if request == "stop":
             return
         try:
-            if op == "run":
+            if request == "run":
                 inputs = {k: v.to(device) for k, v in tensors.items()}
                 specs, out = describe_outputs(fn(inputs, msg["axes"]))
                 wire.send(sock, {"status": "ok", "outputs": specs}, out)
-            elif op == "time_prepare":
+            elif request == "time_prepare":
                 loop = None
                 warm = {k: v.to(device) for k, v in tensors.items()}
-                loop = timing.TimedLoop(fn, warm, msg["axes"], msg["parts"], msg["n_prefix"], msg["n_calls"])
+                loop = timing.TimedLoop(fn, warm, msg["axes"], msg["batched"], msg["n_prefix"], msg["n_calls"], op)
                 wire.send(sock, {"status": "ok"})
-            elif op == "time_pool":
+            elif request == "time_pool":
                 loop.load_pool(tensors)
                 gc.collect()    # before the clock starts: the timed request then runs with collection off
                 wire.send(sock, {"status": "ok"})
-            elif op == "time_run":
+            elif request == "time_run":
                 gc.disable()    # no collection pause between the harness's clock and the loop
                 try:
                     latencies = loop.run(int(msg["seed"]))
                     wire.send(sock, {"status": "ok", "latencies_ms": latencies, "loop_ms": loop.loop_ms})
                 finally:
                     gc.enable()
-            elif op == "time_outputs":
+            elif request == "time_outputs":
                 outs = loop.outputs_of(msg["first"], msg["count"])
                 wire.send(sock, {"status": "ok"}, {f"out{i}": t.cpu() for i, t in enumerate(outs)})
             else:
-                raise ValueError(f"unknown request {op!r}")
+                raise ValueError(f"unknown request {request!r}")
         except BaseException as e:  # noqa: BLE001 - reported as the workload's RUNTIME_ERROR
             wire.send(sock, {"status": "error", "message": _one_line(e)})
 
