@@ -17,8 +17,8 @@ from harness import HarnessError, traces
 from harness.definition import find_definition
 from harness.ops import load_op
 from harness.run import DEFAULT_DEFINITION, resolve_device
-from harness.runner import Worker
-from harness.solutions import load_solution, source_sha256
+from harness.runner import PASSED, Worker, check_outputs
+from harness.solutions import load_solution
 
 RATIO_LIMIT = 1.01
 DRIFT_SEED = 20261203
@@ -47,13 +47,15 @@ def main(argv=None) -> int:
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    worker = Worker(sol, defn, device, args.timeout)
+    worker = Worker(sol, defn, device, args.timeout, hide=[Path.cwd()])
 
     def flush(**inputs):
-        status, payload = worker.call("run", inputs, axes)
-        if status != "ok":
-            raise HarnessError(f"{sol.name}: {status}: {payload}")
-        return tuple(t.to(device) for t in payload[0])
+        status, header, tensors = worker.request({"op": "run", "axes": axes}, inputs)
+        if status == "ok":
+            status, header = check_outputs(defn, header.get("outputs"), tensors, axes, device)
+        if status != PASSED:
+            raise HarnessError(f"{sol.name}: {status}: {header}")
+        return tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
 
     print(f"{sol.name}: {args.windows} windows at batch_size={args.batch_size} on {device}", flush=True)
     rows = []
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        worker.stop()
+        worker.close()
     worst = max(rows, key=lambda r: r["ratio"])
     print()
     print(tabulate([[r["window"], f"{r['error']:.4g}", f"{r['reference_error']:.4g}", f"{r['ratio']:.4f}",
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
                    headers=["window", "error", "reference error", "ratio", "worst-head ratio"], disable_numparse=True))
     print(f"\nworst window {worst['window']}: ratio {worst['ratio']:.4f} (limit {RATIO_LIMIT})")
     if args.record:
-        record = {"definition": defn.name, "solution": sol.name, "solution_sha256": source_sha256(sol, defn),
+        record = {"definition": defn.name, "solution": sol.name, "solution_sha256": worker.sha256,
                   "environment": traces.environment(device), "windows": args.windows,
                   "batch_size": args.batch_size, "seed": args.seed, "limit": RATIO_LIMIT, "worst": worst,
                   "rows": rows}

@@ -70,6 +70,13 @@ def sources_state(traces: list[dict], current: str | None) -> str:
     return "current" if measured == {current} else "older: re-run"
 
 
+def isolation_state(traces: list[dict]) -> str:
+    """How the solution's recorded runs were isolated (harness.sandbox): "bwrap", or the downgrade, loudly."""
+    states = {t["evaluation"]["environment"].get("sandbox", "UNSANDBOXED (recorded without isolation)")
+              for t in traces}
+    return "bwrap" if states == {"bwrap"} else "; ".join(sorted(s if s == "bwrap" else s.upper() for s in states))
+
+
 def current_hashes(traces: list[dict]) -> dict[str, str | None]:
     """(definition, solution) -> the sha256 of the solution's sources now (None when it no longer loads)."""
     out = {}
@@ -164,7 +171,7 @@ def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = 
                      "`harness/timing.py`); x floor: latency over the memory floor (every byte read and written once "
                      "at the fastest copy rate measured on that hardware by the recorded runs); speedup: over "
                      "`reference` on the same workloads. Measured sources: whether the traces were taken on the "
-                     "solution's sources as they are now.", ""]
+                     "solution's sources as they are now; isolation: how its runs were sandboxed (`harness/sandbox.py`).", ""]
 
     for definition, ts in sorted(by_def.items()):
         parts += [f"## {definition}", "", f"![latency against batch size]({PLOT.as_posix()})", ""]
@@ -179,7 +186,7 @@ def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = 
             fast = [sum(1 for t in mine if t["evaluation"]["status"] == "PASSED"
                         and t["evaluation"]["performance"]["speedup_factor"] > p) / len(mine) for p in FAST_P]
             g = _geomean(speedups)
-            summary.append([sol, sources_state(mine, current.get((definition, sol))), len(mine),
+            summary.append([sol, sources_state(mine, current.get((definition, sol))), isolation_state(mine), len(mine),
                             sum(t["evaluation"]["status"] == "PASSED" for t in mine),
                             f"{g:.2f}" if g else "-"] + [f"{f:.2f}" for f in fast])
             for b in sorted({_batch(t) for t in mine}):
@@ -203,15 +210,16 @@ def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = 
                     if floor and b not in dict(series["memory floor"]):
                         series["memory floor"].append((b, floor))
         parts += ["### Summary", "",
-                  tabulate(summary, headers=["solution", "measured sources", "workloads", "passed", "geomean speedup"]
+                  tabulate(summary, headers=["solution", "measured sources", "isolation", "workloads", "passed",
+                                             "geomean speedup"]
                            + [f"fast_{p}" for p in FAST_P], tablefmt="github", disable_numparse=True), "",
                   "### Per batch size", "",
                   tabulate(rows, headers=["solution", "B", "status", "latency us", "x floor", "speedup",
                                           "worst-head ratio"], tablefmt="github", disable_numparse=True), "",
                   "### Environment", ""]
-        for env in sorted(envs):
-            e = json.loads(env)
-            parts.append(f"- {e['hardware']}: " + ", ".join(f"{k} {v}" for k, v in sorted(e["libs"].items())))
+        for line in sorted({f"- {e['hardware']}: " + ", ".join(f"{k} {v}" for k, v in sorted(e["libs"].items()))
+                            for e in map(json.loads, envs)}):
+            parts.append(line)
         parts.append("")
     if not traces:
         parts += ["No timed traces yet: run `python -m harness.run --device cuda` on a GPU.", ""]

@@ -170,13 +170,6 @@ def check_outputs(defn: Definition, specs, tensors: dict, axes: dict, device: st
     return PASSED, ""
 
 
-def modified_input(pristine: dict, used: dict) -> str | None:
-    for name, t in pristine.items():
-        if not torch.equal(t, used[name]):
-            return name
-    return None
-
-
 def program_layout(defn: Definition) -> tuple[tuple[str, ...], int]:
     """The axes every output starts with (one program each: here batch x heads) and the inputs that share them."""
     shapes = [s.shape for s in defn.outputs.values()]
@@ -332,6 +325,7 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
                 _evaluate_one(defn, op, worker, w, device, root, run_seed, timed, bandwidth, calibration, result)
                 if worker.fatal and not keep_going:
                     stopped = (result.status, f"not run: the worker was stopped on {w.label} ({worker.fatal})"[:400])
+                worker.fatal = None         # with keep_going, the next request starts a fresh worker
             results.append(result)
             on_result(result)
     finally:
@@ -381,6 +375,9 @@ def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: s
     result.status, result.log = check_outputs(defn, header.get("outputs"), tensors, axes, device.type)
     if result.status != PASSED:
         result.log = what + result.log
+        return
+    if header.get("modified") is not None:
+        result.status, result.log = RUNTIME_ERROR, f"the solution modified its input {str(header['modified'])[:40]!r}"
         return
     outputs = tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
     verdict = op.judge(pristine, outputs, defn.reference_run()(**pristine))

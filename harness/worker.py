@@ -89,8 +89,10 @@ def serve(sock: socket.socket) -> None:
         try:
             if request == "run":
                 inputs = {k: v.to(device) for k, v in tensors.items()}
+                pristine = {k: v.clone() for k, v in inputs.items()}
                 specs, out = describe_outputs(fn(inputs, msg["axes"]))
-                wire.send(sock, {"status": "ok", "outputs": specs}, out)
+                modified = next((k for k, v in pristine.items() if not torch.equal(v, inputs[k])), None)
+                wire.send(sock, {"status": "ok", "outputs": specs, "modified": modified}, out)
             elif request == "time_prepare":
                 loop = None
                 warm = {k: v.to(device) for k, v in tensors.items()}

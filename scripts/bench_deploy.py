@@ -6,7 +6,7 @@ The deployment form is the solution's `pool.py::flush_inplace(pool, idx, q0)` on
 (harness/ops/leapquant_kda_flush.py, OPERATOR.md "Deployment form": one flat buffer in the published engine
 layout, the dense window and the fill counter `count`). Cases, each one CUDA graph of one call on a pool of
 B + 1 slots filled with a workload's inputs (family `--family`), timed by
-harness.timing (graph replays between CUDA events, L2 flushed before each, median of TIMED_CALLS after warm-up):
+harness.timing (graph replays between CUDA events, L2 flushed before each, median of REPLAY_CALLS after warm-up):
 every program due at each batch size; the steady state at the largest, one sequence in 16 due (a different 16th
 each call, as when every sequence flushes every 16 tokens); none due at the largest, against a 5 us target, both as
 a graph of its own and as its marginal cost in a graph of several L2-cold steps, as a serving engine's decode graph
@@ -62,8 +62,8 @@ def warm_graph(call, stream):
 
 def median_ms(prepare, stream) -> float:
     """Median latency (ms) of the timed replays of the graphs prepare(k) returns (harness.timing, after warm-up)."""
-    latencies = timing.time_replays(prepare, timing.WARMUP_CALLS + timing.TIMED_CALLS, stream)
-    return statistics.median(latencies[timing.WARMUP_CALLS:])
+    latencies = timing.time_replays(prepare, timing.REPLAY_WARMUP + timing.REPLAY_CALLS, stream)
+    return statistics.median(latencies[timing.REPLAY_WARMUP:])
 
 
 def marginal_in_graph_ms(call, stream, steps: int = GRAPH_STEPS) -> float:
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     record = {"definition": defn.name, "solution": sol.name, "solution_sha256": source_sha256(sol, defn),
               "environment": traces.environment("cuda"), "family": args.family, "copy_bandwidth": bandwidth,
-              "bytes_per_program": per_program, "timed_calls": timing.TIMED_CALLS, "empty_graph_us": empty_us,
+              "bytes_per_program": per_program, "timed_calls": timing.REPLAY_CALLS, "empty_graph_us": empty_us,
               "rows": rows}
     path = Path(args.traces) / defn.name / f"deploy_{sol.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

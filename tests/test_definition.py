@@ -81,3 +81,25 @@ def test_invalid_json_and_missing_file(tmp_path):
         load_definition(tmp_path / "missing.json")
     with pytest.raises(DefinitionError, match="no definition named"):
         find_definition("nope")
+
+
+def test_definition_is_checked_against_its_pinned_hash_before_its_reference_runs(tmp_path):
+    """An edited contract (here the reference, through bf16, and a line that would leave a mark if executed) is
+    refused before any of its code runs; so is a definition nobody pinned."""
+    import shutil
+    from pathlib import Path
+    root = tmp_path / "definitions"
+    shutil.copytree("definitions", root)
+    assert find_definition("leapquant_kda_flush_r4_int8_h32_v128_k128", root).name
+    path = root / "leapquant_kda_flush" / Path(SHIPPED).name
+    raw = json.loads(path.read_text())
+    mark = tmp_path / "executed"
+    raw["reference"] = f"open({str(mark)!r}, 'w').close()\n" + raw["reference"].replace(
+        "S = S.float()", "S = S.bfloat16().float()")
+    path.write_text(json.dumps(raw))
+    with pytest.raises(DefinitionError, match="differs from the one pinned"):
+        find_definition("leapquant_kda_flush_r4_int8_h32_v128_k128", root)
+    assert not mark.exists()
+    (root / "SHA256SUMS").write_text("")
+    with pytest.raises(DefinitionError, match="not pinned"):
+        find_definition("leapquant_kda_flush_r4_int8_h32_v128_k128", root)

@@ -76,3 +76,13 @@ def test_source_hash_follows_the_sources(defn, tmp_path):
     (folder / "flush.py").write_text((folder / "flush.py").read_text() + "\n# changed\n")
     assert source_sha256(sol, defn) != before
     assert source_sha256(load_solution(REFERENCE, defn), defn) != before
+
+
+def test_source_hash_covers_solution_json(defn, tmp_path):
+    """The entry point and calling style decide what runs, so they are hashed with the sources."""
+    folder = make_solution(tmp_path, "h", "def run(*x):\n    pass\n")
+    before = source_sha256(load_solution("h", defn, tmp_path), defn)
+    raw = json.loads((folder / "solution.json").read_text())
+    raw["spec"]["destination_passing_style"] = True
+    (folder / "solution.json").write_text(json.dumps(raw))
+    assert source_sha256(load_solution("h", defn, tmp_path), defn) != before

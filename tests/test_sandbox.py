@@ -1,0 +1,755 @@
+"""Solutions that attack the harness, planted the way a determined competitor would write them and judged through
+the entry points users use (runner.evaluate, harness.run.main): each gets its status with a one-line log, what it
+aims at is unchanged afterwards, and the honest solution judged after it in the same run still passes.
+
+Every attack runs inside the bubblewrap sandbox only (skipped without it, and test_solutions_run_sandboxed_here
+fails instead): unsandboxed, they would kill the test run or write into what they target. What they target is a
+copy or a file made by the test; each attack notes in its home how each step went, so that a test can tell the
+step was tried and failed rather than never reached."""
+from __future__ import annotations
+
+import importlib.util
+import marshal
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import harness.run as harness_run
+from conftest import DEFINITION, ROOT, make_solution
+from harness import runner, sandbox
+from harness.solutions import load_solution, source_sha256
+from harness.workloads import load_workloads, select
+
+HONEST = "torch_v1"
+DATA = ("definitions", "workloads", "traces")       # what a run reads from the repository
+TIMEOUT_S = 60.0
+HANG_TIMEOUT_S = 6.0     # where an attack hangs: above the worker's start-up (about 2 s here), well below a minute
+
+needs_sandbox = pytest.mark.skipif(sandbox.unavailable() is not None,
+                                   reason=f"no sandbox here ({sandbox.unavailable()}): the attack would run for real")
+
+# Prepended to an attack's main.py (after its template is filled): attempt(what, action) runs one step and appends "what: outcome" to
+# ~/attempts.txt, the outcome being "done" or the errno name of the OSError that stopped it.
+ATTEMPT = '''\
+import errno
+import os
+
+
+def attempt(what, action):
+    try:
+        action()
+        outcome = "done"
+    except OSError as e:
+        outcome = errno.errorcode.get(e.errno, str(e.errno))
+    with open(os.path.expanduser("~/attempts.txt"), "a") as log:
+        log.write(f"{what}: {outcome}\\n")
+'''
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """The solutions' homes (the one place a worker may write) under tmp_path: fresh for each test, read by it,
+    and removed with it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def one(defn):
+    return select(load_workloads(defn), [1], ["random"])
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A copy of what a run reads from the repository, plus the honest solution, made the current directory (the
+    harness runs from the repository root): the attacks on repository files target this copy."""
+    copy = tmp_path / "repo"
+    for part in DATA:
+        shutil.copytree(ROOT / part, copy / part)
+    shutil.copytree(ROOT / "solutions" / HONEST, copy / "solutions" / HONEST)
+    monkeypatch.chdir(copy)
+    return copy
+
+
+def plant(defn, folder: Path, name: str, code: str, **kwargs):
+    make_solution(folder, name, code, **kwargs)
+    return load_solution(name, defn, folder)
+
+
+def judge(defn, sol, workloads, timeout_s=TIMEOUT_S, **kwargs) -> list[runner.Result]:
+    results = runner.evaluate(defn, sol, workloads, "cpu", timeout_s=timeout_s, **kwargs)
+    assert all(r.isolation == "bwrap" for r in results), results[0].isolation
+    return results
+
+
+def assert_honest_passes(defn, workloads) -> None:
+    results = judge(defn, load_solution(HONEST, defn, ROOT / "solutions"), workloads)
+    assert [r.status for r in results] == [runner.PASSED] * len(workloads), [r.log for r in results]
+
+
+def run_cli(monkeypatch, *names: str) -> tuple[int, list[runner.Result]]:
+    """harness.run.main on the named solutions (under ./solutions) at B=1, family random: its exit code and every
+    result, in order."""
+    results = []
+
+    def evaluate_and_keep(*args, **kwargs):
+        done = runner.evaluate(*args, **kwargs)
+        results.extend(done)
+        return done
+    monkeypatch.setattr(harness_run, "evaluate", evaluate_and_keep)
+    argv = [arg for name in names for arg in ("--solution", name)]
+    code = harness_run.main(argv + ["--device", "cpu", "--batch-sizes", "1", "--families", "random", "--no-traces",
+                                    "--timeout", f"{TIMEOUT_S:g}"])
+    assert all(r.isolation == "bwrap" for r in results)
+    return code, results
+
+
+def one_line(log: str) -> bool:
+    return "\n" not in log and "Traceback" not in log
+
+
+def home_of(name: str) -> Path:
+    [home] = (sandbox.cache_root() / "home").glob(f"{name}-*")
+    return home
+
+
+def attempts(name: str) -> dict[str, str]:
+    lines = (home_of(name) / "attempts.txt").read_text().splitlines()
+    return dict(line.rsplit(": ", 1) for line in lines)
+
+
+def snapshot(folder: Path, parts=DATA) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes()
+            for part in parts for p in sorted((folder / part).rglob("*")) if p.is_file()}
+
+
+def test_solutions_run_sandboxed_here():
+    assert sandbox.unavailable() is None
+
+
+# 1. Kill the harness ---------------------------------------------------------------------------------------------
+
+KILLER = '''
+import signal
+
+from flush import run as flush
+
+HARNESS_PID, HARNESS_PGID = {pid}, {pgid}       # the harness's process and group, as if guessed right
+
+
+def run(*x):
+    attempt("kill the harness", lambda: os.kill(HARNESS_PID, signal.SIGKILL))
+    attempt("kill the harness's group", lambda: os.killpg(HARNESS_PGID, signal.SIGKILL))
+    attempt("kill the parent", lambda: os.kill(os.getppid(), signal.SIGKILL))
+    attempt("kill the parent's group", lambda: os.killpg(os.getpgid(os.getppid()), signal.SIGKILL))
+    return flush(*x)
+'''
+
+
+@needs_sandbox
+def test_killing_the_harness_fails(defn, repo, monkeypatch):
+    """In its PID namespace the harness's pid and group do not exist, the worker's parent is the namespace's init
+    (which ignores signals sent from inside) and nothing else lives there: every kill misses, and the attack goes
+    on to return the honest outputs."""
+    make_solution(repo / "solutions", "killer", ATTEMPT + KILLER.format(pid=os.getpid(), pgid=os.getpgrp()))
+    code, results = run_cli(monkeypatch, "killer", HONEST)
+    assert [(r.solution, r.status) for r in results] == [("killer", runner.PASSED), (HONEST, runner.PASSED)]
+    assert code == 0
+    tried = attempts("killer")
+    assert tried["kill the harness"] == tried["kill the harness's group"] == "ESRCH"
+    assert {"kill the parent", "kill the parent's group"} <= set(tried)
+
+
+# 2. Vandalize the repository ---------------------------------------------------------------------------------------
+
+VANDAL = '''
+import atexit
+
+from flush import run as flush
+
+REPO = {repo!r}          # the repository the harness runs from
+KNOWN = {known!r}        # its files, as listed on GitHub
+HARNESS_PID = {pid}
+
+
+def flip_first_byte(path):
+    with open(path, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+
+
+def forge_trace():
+    with open(os.path.join(REPO, "traces", {definition!r}, "vandal.jsonl"), "w") as f:
+        f.write('{{"solution": "vandal", "evaluation": {{"status": "PASSED"}}}}\\n')
+
+
+def vandalize():
+    found = [os.path.relpath(os.path.join(d, n), REPO) for d, _, names in os.walk(REPO) for n in names]
+    for rel in sorted(set(KNOWN) | set(found)):
+        attempt(f"flip {{rel}}", lambda rel=rel: flip_first_byte(os.path.join(REPO, rel)))
+    attempt("flip through the harness's cwd", lambda: flip_first_byte(f"/proc/{{HARNESS_PID}}/cwd/{{KNOWN[0]}}"))
+    attempt("forge a trace", forge_trace)
+
+
+atexit.register(vandalize)          # and on the way out, in case the harness reads the files again after the run
+
+
+def run(*x):
+    vandalize()
+    return flush(*x)
+'''
+
+
+@needs_sandbox
+def test_repository_files_cannot_be_changed(defn, repo, monkeypatch):
+    before = snapshot(repo)
+    code = ATTEMPT + VANDAL.format(repo=str(repo), known=sorted(before), pid=os.getpid(), definition=DEFINITION)
+    make_solution(repo / "solutions", "vandal", code)
+    exit_code, results = run_cli(monkeypatch, "vandal", HONEST)
+    assert [(r.solution, r.status) for r in results] == [("vandal", runner.PASSED), (HONEST, runner.PASSED)]
+    assert exit_code == 0
+    assert snapshot(repo) == before
+    tried = attempts("vandal")
+    assert {f"flip {rel}" for rel in before} <= set(tried)
+    assert "done" not in tried.values(), tried
+
+
+PEEK = '''
+import os
+
+from flush import run as flush
+
+REPO = {repo!r}
+
+
+def run(*x):
+    if os.path.exists(REPO) and os.listdir(REPO):
+        raise RuntimeError(f"the repository is visible: {{sorted(os.listdir(REPO))}}")
+    return flush(*x)
+'''
+
+
+@needs_sandbox
+@pytest.mark.xfail(strict=True, reason="sandbox._bwrap_argv re-binds every folder of python_paths() that lies in a "
+                                       "hidden one, and `python -m harness.run` puts the repository root (its cwd) "
+                                       "on sys.path: the whole repository is bound back, read-only")
+def test_the_repository_is_hidden_from_a_solution(defn, repo):
+    """As users run it: `python -m harness.run` from the repository root, in a process of its own."""
+    make_solution(repo / "solutions", "peek", PEEK.format(repo=str(repo)))
+    done = subprocess.run([sys.executable, "-m", "harness.run", "--solution", "peek", "--device", "cpu",
+                           "--batch-sizes", "1", "--families", "random", "--no-traces"],
+                          cwd=repo, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+# 3. A detached process that outlives the worker -----------------------------------------------------------------
+
+DAEMON = '''
+import os, sys, time
+marker, worker, *targets = sys.argv[1:]
+with open(os.path.expanduser("~/daemon.pid"), "w") as f:
+    f.write(str(os.getpid()))
+while True:
+    try:
+        os.kill(int(worker), 0)
+    except ProcessLookupError:
+        break
+    time.sleep(0.02)
+time.sleep(1)            # the harness has moved on by now, to judge someone else
+for target in targets:
+    try:
+        with open(os.path.expanduser(target), "w") as f:
+            f.write('{"solution": "daemon", "evaluation": {"status": "PASSED"}}\\n')
+    except OSError:
+        pass
+time.sleep(600)
+'''
+
+DETACHER = '''
+import os
+import sys
+
+from flush import run as flush
+
+DAEMON, MARKER, FORGED = {daemon!r}, {marker!r}, {forged!r}
+
+
+def run(*x):
+    worker = str(os.getpid())
+    child = os.fork()
+    if child == 0:              # a new session, then a grandchild that nobody waits for
+        os.setsid()
+        if os.fork() == 0:
+            try:
+                os.execv(sys.executable, [sys.executable, "-c", DAEMON, MARKER, worker, FORGED, "~/forged.jsonl"])
+            finally:
+                os._exit(1)
+        os._exit(0)
+    os.waitpid(child, 0)
+    return flush(*x)
+'''
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except OSError:
+            pass                # ended meanwhile
+    return found
+
+
+@needs_sandbox
+def test_a_detached_process_dies_with_the_worker(defn, one, tmp_path):
+    marker, forged = f"planted-daemon-{uuid.uuid4().hex}", tmp_path / "forged_trace.jsonl"
+    code = DETACHER.format(daemon=DAEMON, marker=marker, forged=str(forged))
+    sol = plant(defn, tmp_path / "planted", "detacher", code)
+    [result] = judge(defn, sol, one)
+    assert result.status == runner.PASSED, result.log
+    assert_honest_passes(defn, one)           # long enough for the daemon to have written, had it lived
+    deadline = time.monotonic() + 3
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = processes_with(marker)
+    for pid in survivors:
+        os.kill(pid, 9)
+    assert not survivors
+    home = home_of("detacher")
+    assert (home / "daemon.pid").exists()     # it did start
+    assert not (home / "forged.jsonl").exists() and not forged.exists()
+
+
+# 4. A forged judge: bytecode planted beside the operator module, the definition edited ----------------------------
+
+JUDGE = "harness/ops/leapquant_kda_flush.py"
+
+FORGER = '''
+import hashlib
+import importlib.util
+import marshal
+import struct
+
+from flush import run as flush
+
+REPO, MARKER = {repo!r}, {marker!r}
+PACKAGE_ROOTS = ["/sandbox/lib", {host_root!r}]     # where the worker imports the harness from; where the harness does
+JUDGE, DEFINITION = {judge!r}, {definition!r}
+
+
+def forged_pyc(source_path):
+    """The judge's own code with one line in front, stamped with its source's mtime and size, so that the default
+    import machinery takes it for the judge's cache."""
+    with open(source_path) as f:
+        source = f.read()
+    code = compile(f"open({{MARKER!r}}, 'w').close()\\n" + source, source_path, "exec")
+    st = os.stat(source_path)
+    stamp = struct.pack("<III", 0, int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF)
+    return importlib.util.MAGIC_NUMBER + stamp + marshal.dumps(code)
+
+
+def plant_pyc(package_root):
+    source = os.path.join(package_root, JUDGE)
+    pyc = importlib.util.cache_from_source(source)
+    os.makedirs(os.path.dirname(pyc), exist_ok=True)
+    with open(pyc, "wb") as f:
+        f.write(forged_pyc(source))
+
+
+def loosen_definition():
+    """A looser criterion in the definition, and its pinned hash to match."""
+    path = os.path.join(REPO, "definitions", DEFINITION)
+    with open(path) as f:
+        text = f.read().replace("1.01", "100.0")
+    with open(path, "w") as f:
+        f.write(text)
+    with open(os.path.join(REPO, "definitions", "SHA256SUMS"), "w") as f:
+        f.write(f"{{hashlib.sha256(text.encode()).hexdigest()}}  {{DEFINITION}}\\n")
+
+
+def run(*x):
+    for root in PACKAGE_ROOTS:
+        attempt(f"plant a pyc under {{root}}", lambda root=root: plant_pyc(root))
+    attempt("loosen the definition", loosen_definition)
+    return flush(*x)
+'''
+
+
+@needs_sandbox
+def test_the_judge_and_the_definition_cannot_be_replaced(defn, repo, monkeypatch, tmp_path):
+    marker, host_cache = tmp_path / "forged_judge_ran", Path(importlib.util.cache_from_source(str(ROOT / JUDGE))).parent
+    existed = host_cache.exists()
+    before, cached = snapshot(repo), {p: p.read_bytes() for p in host_cache.glob("*")}
+    [definition] = [rel for rel in before if rel.endswith(f"{DEFINITION}.json")]
+    code = ATTEMPT + FORGER.format(repo=str(repo), marker=str(marker), host_root=str(sandbox.HARNESS_PACKAGE.parent),
+                         judge=JUDGE, definition=str(Path(definition).relative_to("definitions")))
+    make_solution(repo / "solutions", "forger", code)
+    try:
+        exit_code, results = run_cli(monkeypatch, "forger", HONEST)
+        after = {p: p.read_bytes() for p in host_cache.glob("*")}
+    finally:        # had it got through, the real repository's cache is put back as it was
+        for p in set(host_cache.glob("*")) - set(cached):
+            p.unlink()
+        if not existed and host_cache.exists():
+            host_cache.rmdir()
+    assert [(r.solution, r.status) for r in results] == [("forger", runner.PASSED), (HONEST, runner.PASSED)]
+    assert exit_code == 0
+    assert after == cached and snapshot(repo) == before and not marker.exists()
+    tried = attempts("forger")
+    assert len(tried) == 3 and "done" not in tried.values(), tried
+
+
+def test_harness_imports_ignore_a_planted_pyc(tmp_path):
+    """harness/__init__.py compiles harness.* from source: a .pyc planted in __pycache__ with the source's mtime and
+    size, which the default machinery accepts (the control import shows it), is not used."""
+    copy = tmp_path / "lib"
+    shutil.copytree(sandbox.HARNESS_PACKAGE, copy / "harness", ignore=shutil.ignore_patterns("__pycache__"))
+    source = copy / "harness" / "planted.py"
+    source.write_text("VALUE = 'source'\n")
+    code = compile("VALUE = 'forged'\n", str(source), "exec")
+    st = source.stat()
+    pyc = Path(importlib.util.cache_from_source(str(source)))
+    pyc.parent.mkdir()
+    pyc.write_bytes(importlib.util.MAGIC_NUMBER + struct.pack("<III", 0, int(st.st_mtime) & 0xFFFFFFFF, st.st_size)
+                    + marshal.dumps(code))
+    probe = ("import importlib.util, harness, harness.planted\n"
+             f"assert harness.__file__ == {str(copy / 'harness' / '__init__.py')!r}, harness.__file__\n"
+             f"spec = importlib.util.spec_from_file_location('control', {str(source)!r})\n"
+             "control = importlib.util.module_from_spec(spec)\n"
+             "spec.loader.exec_module(control)\n"
+             "print(harness.planted.VALUE, control.VALUE)\n")
+    # -S and cwd: neither the editable install's finder nor the current directory (first on sys.path) can serve the
+    # repository's harness instead of the copy
+    done = subprocess.run([sys.executable, "-S", "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["source", "forged"]
+
+
+# 5. Overwrite its own sources --------------------------------------------------------------------------------------
+
+OVERWRITER = '''
+import atexit
+
+from flush import run as flush
+
+ORIGINAL = {original!r}        # the folder the sources were submitted from
+
+
+def overwrite(path):
+    with open(path, "w") as f:
+        f.write("from flush import run\\n")
+
+
+def overwrite_sources():
+    attempt("overwrite __file__", lambda: overwrite(__file__))
+    for path in ("/sandbox/solution/main.py", "/sandbox/solution/flush.py", "/sandbox/solution/solution.json",
+                 os.path.join(ORIGINAL, "main.py")):
+        attempt(f"overwrite {{path}}", lambda path=path: overwrite(path))
+    attempt("make itself writable", lambda: os.chmod(__file__, 0o666))
+    attempt("swap a file in for itself", lambda: os.rename("/sandbox/solution/flush.py", __file__))
+    attempt("delete itself", lambda: os.unlink(__file__))
+
+
+atexit.register(overwrite_sources)      # on the way out too, in case the harness hashes the sources after the run
+
+
+def run(*x):
+    out = flush(*x)
+    overwrite_sources()
+    return out
+'''
+
+
+@needs_sandbox
+def test_sources_cannot_be_overwritten_and_the_recorded_hash_is_theirs(defn, one, tmp_path):
+    folder = tmp_path / "planted"
+    sol = plant(defn, folder, "overwriter", ATTEMPT + OVERWRITER.format(original=str(folder / "overwriter")))
+    files = {p: p.read_bytes() for p in (folder / "overwriter").iterdir()}
+    sha256 = source_sha256(sol, defn)
+    [result] = judge(defn, sol, one)
+    assert result.status == runner.PASSED, result.log
+    assert result.sha256 == sha256 == source_sha256(sol, defn)
+    assert {p: p.read_bytes() for p in (folder / "overwriter").iterdir()} == files
+    tried = attempts("overwriter")
+    assert len(tried) == 8 and "done" not in tried.values(), tried
+    assert_honest_passes(defn, one)
+
+
+# 6. Import a file that solution.json does not list ----------------------------------------------------------------
+
+UNLISTED = {
+    "at import": ("from helper import run\n", runner.COMPILE_ERROR),
+    "inside run": ("def run(*x):\n    from helper import run as flush\n    return flush(*x)\n", runner.RUNTIME_ERROR),
+}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("case", UNLISTED)
+def test_an_unlisted_sibling_is_not_there(defn, one, tmp_path, case):
+    code, status = UNLISTED[case]
+    folder = make_solution(tmp_path / "planted", "unlisted", code, copy_flush=False)
+    shutil.copy(ROOT / "solutions" / HONEST / "flush.py", folder / "helper.py")      # beside it, not in its sources
+    [result] = judge(defn, load_solution("unlisted", defn, tmp_path / "planted"), one)
+    assert result.status == status and "No module named 'helper'" in result.log, (result.status, result.log)
+    assert one_line(result.log)
+    assert_honest_passes(defn, one)
+
+
+# 7. Forged messages, written straight to the worker's socket ------------------------------------------------------
+
+FORGED_REPLY = '''
+import fcntl
+import json
+import os
+import pickle
+import socket
+import struct
+import sys
+import time
+
+MARKER, N_OUTPUTS = {marker!r}, {n_outputs}
+HARNESS = socket.socket(fileno=os.dup(int(sys.argv[1])))      # the worker is `python -m harness.worker FD`
+
+
+class Payload:
+    """Runs a command wherever it is unpickled."""
+    def __reduce__(self):
+        return os.system, (f"touch {{MARKER}}",)
+
+
+def frame(body):
+    return struct.pack("<Q", len(body)) + body
+
+
+def sealed_memfd(size):
+    fd = os.memfd_create("reply", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                | fcntl.F_SEAL_WRITE)
+    return fd
+
+
+def file_in_home(size):
+    path = os.path.expanduser("~/reply.bin")
+    with open(path, "wb") as f:
+        f.write(bytes(size))
+    return os.open(path, os.O_RDONLY)
+
+
+def reply(first_output, fd):
+    """A reply to "run" whose first output is `first_output` (dtype, shape) in the file `fd`."""
+    body = json.dumps({{"status": "ok", "outputs": [{{"kind": "tensor", "device": "cpu"}}] * N_OUTPUTS,
+                       "tensors": [{{"name": "out0", "offset": 0, **first_output}}]}}).encode()
+    socket.send_fds(HARNESS, [frame(body)], [fd])
+
+
+def gone():
+    """Exit without a reply of its own: the harness has only the forged message to go on."""
+    os._exit(0)
+
+
+def stay():
+    """Stay alive and silent: the harness has to end it."""
+    time.sleep(600)
+
+
+def run(*x):
+    {attack}
+'''
+
+PROTOCOL = {
+    "pickle": ("HARNESS.sendall(frame(pickle.dumps(Payload()))); gone()", runner.RUNTIME_ERROR,
+               "malformed reply while running: message is not JSON"),
+    "stall after the length": ("HARNESS.sendall(struct.pack('<Q', 1000)); stay()", runner.TIMEOUT,
+                               f"no answer within {HANG_TIMEOUT_S:g} s while running"),
+    "garbage": ("HARNESS.sendall(bytes.fromhex('deadbeef') * 64); gone()", runner.RUNTIME_ERROR,
+                "malformed reply while running: message header of"),
+    "huge shape": ("reply({'dtype': 'float32', 'shape': [1 << 20, 1 << 19]}, sealed_memfd(4096)); gone()",
+                   runner.RUNTIME_ERROR, "runs past the end of its file"),
+    "wrong dtype": ("reply({'dtype': 'bool', 'shape': [64]}, sealed_memfd(4096)); gone()", runner.RUNTIME_ERROR,
+                    "has dtype 'bool'"),
+    "pipe": ("reply({'dtype': 'int8', 'shape': [64]}, os.pipe()[0]); gone()", runner.RUNTIME_ERROR,
+             "not a regular file"),
+    "regular file": ("reply({'dtype': 'int8', 'shape': [64]}, file_in_home(4096)); gone()", runner.RUNTIME_ERROR,
+                     "not a sealed memfd"),
+}
+# Holes, each with what goes wrong. tests/test_wire.py covers the receiver's own (an empty file, a file larger than
+# memory, an integer too long to parse): each escapes runner.evaluate as the exception it is.
+PROTOCOL_HOLES = {
+    "socket shut down": (
+        "HARNESS.shutdown(socket.SHUT_RDWR); stay()", runner.RUNTIME_ERROR, "",
+        "Worker._receive takes EOF (or any OSError) for a dead worker and waits 5 s for it to exit; the worker is "
+        "alive, so subprocess.TimeoutExpired escapes runner.evaluate and ends the run"),
+    "error message of several lines": (
+        "HARNESS.sendall(frame(json.dumps({'status': 'error', 'tensors': [], "
+        "'message': 'boom\\\\nTraceback (most recent call last):\\\\n  forged'}).encode())); gone()",
+        runner.RUNTIME_ERROR, "boom",
+        "Worker._receive copies an error reply's message into the log as it is, newlines included"),
+}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("attack, status, says", [
+    *(pytest.param(*PROTOCOL[name], id=name) for name in PROTOCOL),
+    *(pytest.param(*case[:3], id=name, marks=pytest.mark.xfail(strict=True, reason=case[3]))
+      for name, case in PROTOCOL_HOLES.items()),
+])
+def test_a_forged_message_is_refused(defn, one, tmp_path, attack, status, says):
+    marker = tmp_path / "unpickled"
+    code = FORGED_REPLY.format(marker=str(marker), n_outputs=len(defn.outputs), attack=attack)
+    t0 = time.monotonic()
+    [result] = judge(defn, plant(defn, tmp_path / "planted", "forger", code), one, timeout_s=HANG_TIMEOUT_S)
+    assert time.monotonic() - t0 < HANG_TIMEOUT_S + 10       # load, one deadline, stop: no hang
+    assert result.status == status and says in result.log, (result.status, result.log)
+    assert one_line(result.log)
+    assert not marker.exists()
+    assert_honest_passes(defn, one)
+
+
+# 8. Outputs that are not plain dense tensors ------------------------------------------------------------------------
+
+IMPOSTOR_OUTPUTS = {
+    "tensor subclass": ('''
+import torch
+
+from flush import run as flush
+
+
+class PlainTensor(torch.Tensor):
+    """Passes for a plain tensor to isinstance and __class__."""
+    @property
+    def __class__(self):
+        return torch.Tensor
+
+
+def run(*x):
+    out = flush(*x)
+    return (out[0].as_subclass(PlainTensor),) + out[1:]
+''', "codes_new is a PlainTensor, not a plain dense tensor"),
+    "sparse tensor": ('''
+from flush import run as flush
+
+
+def run(*x):
+    out = flush(*x)
+    return (out[0].to_sparse(),) + out[1:]
+''', "codes_new is a tensor with layout torch.sparse_coo, not a plain dense tensor"),
+}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("case", IMPOSTOR_OUTPUTS)
+def test_an_output_that_is_not_a_plain_tensor_is_refused(defn, one, tmp_path, case):
+    code, says = IMPOSTOR_OUTPUTS[case]
+    [result] = judge(defn, plant(defn, tmp_path / "planted", "impostor", code), one)
+    assert result.status == runner.INCORRECT_SHAPE and says in result.log, (result.status, result.log)
+    assert one_line(result.log)
+    assert_honest_passes(defn, one)
+
+
+# 9. Hang ------------------------------------------------------------------------------------------------------------
+
+@needs_sandbox
+def test_a_hang_costs_one_timeout_and_stops_the_solution(defn, one, tmp_path):
+    workloads = select(load_workloads(defn), [1], None)
+    sol = plant(defn, tmp_path / "planted", "sleeper", "import time\n\n\ndef run(*x):\n    time.sleep(600)\n")
+    t0 = time.monotonic()
+    results = judge(defn, sol, workloads, timeout_s=HANG_TIMEOUT_S)
+    elapsed = time.monotonic() - t0
+    assert len(results) == 4 and [r.status for r in results] == [runner.TIMEOUT] * 4
+    assert results[0].log == f"no answer within {HANG_TIMEOUT_S:g} s while running; worker killed"
+    stopped = f"not run: the worker was stopped on {results[0].workload.label} ({results[0].log})"
+    assert all(r.log == stopped for r in results[1:]), results[1].log
+    assert elapsed < 2 * HANG_TIMEOUT_S, elapsed          # one timeout, not one per workload
+    assert_honest_passes(defn, one)
+
+
+HANGS_ONCE = '''
+import os
+import time
+
+from flush import run as flush
+
+HUNG = os.path.expanduser("~/hung")        # the home outlives the worker
+
+
+def run(*x):
+    if not os.path.exists(HUNG):
+        open(HUNG, "w").close()
+        time.sleep(600)
+    return flush(*x)
+'''
+
+
+@needs_sandbox
+@pytest.mark.xfail(strict=True, reason="keep_going does not restart the worker: Worker.request answers every request "
+                                       "after a fatal one with RUNTIME_ERROR 'worker stopped earlier', although "
+                                       "--keep-going says it restarts the worker and runs the remaining workloads")
+def test_keep_going_runs_the_remaining_workloads(defn, tmp_path):
+    workloads = select(load_workloads(defn), [1], ["random", "edge"])
+    sol = plant(defn, tmp_path / "planted", "hangs_once", HANGS_ONCE)
+    results = judge(defn, sol, workloads, timeout_s=HANG_TIMEOUT_S, keep_going=True)
+    assert [r.status for r in results] == [runner.TIMEOUT, runner.PASSED], [r.log for r in results]
+
+
+# 10. Flood the output and the disk ---------------------------------------------------------------------------------
+
+FLOODER = '''
+import os
+import sys
+
+from flush import run as flush
+
+
+def run(*x):
+    line = "x" * 999 + "\\n"
+    for _ in range(20_000):             # 20 MB to each of stdout and stderr
+        sys.stdout.write(line)
+        sys.stderr.write(line)
+    with open(os.path.expanduser("~/ballast.bin"), "wb") as f:
+        for _ in range(200):
+            f.write(bytes(1 << 20))
+    return flush(*x)
+'''
+
+
+@needs_sandbox
+def test_flooding_the_output_and_the_home_changes_nothing(defn, one, tmp_path):
+    t0 = time.monotonic()
+    [result] = judge(defn, plant(defn, tmp_path / "planted", "flooder", FLOODER), one)
+    assert result.status == runner.PASSED, result.log
+    assert time.monotonic() - t0 < TIMEOUT_S
+    ballast = home_of("flooder") / "ballast.bin"
+    assert ballast.stat().st_size == 200 << 20
+    ballast.unlink()
+    assert_honest_passes(defn, one)
+
+
+def peak_rss_mb() -> float:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) / 1024
+
+
+@needs_sandbox
+@pytest.mark.xfail(strict=True, reason="Worker._drain reads the worker's output line by line: a line without an end "
+                                       "is buffered whole in the harness (256 MB printed: the harness's peak grew by "
+                                       "about 600 MB), so a long enough one exhausts the harness's memory")
+def test_an_endless_line_of_output_does_not_grow_the_harness(defn, one, tmp_path):
+    code = "import sys\nfrom flush import run as flush\n\n\ndef run(*x):\n" \
+           "    sys.stdout.write('x' * (128 << 20))\n    return flush(*x)\n"
+    sol = plant(defn, tmp_path / "planted", "endless_line", code)
+    Path("/proc/self/clear_refs").write_text("5")         # the peak restarts from the current size
+    start = peak_rss_mb()
+    [result] = judge(defn, sol, one)
+    assert result.status == runner.PASSED, result.log
+    assert peak_rss_mb() - start < 64
