@@ -117,8 +117,8 @@ def deployment_section(records: list[dict], current: dict) -> list[str]:
         "The in-place pool call as a serving engine makes it (OPERATOR.md, \"Deployment form\"), one CUDA graph "
         "replayed L2-cold on a pool filled with a workload's inputs (`scripts/bench_deploy.py`); x floor counts every "
         "byte of the flushed programs once, window reset included; checked: after the last call the due checkpoints "
-        "equal `run`'s bit for bit and everything else is unchanged; empty kernel: one graph of an empty kernel timed "
-        "the same way, what this timer reads for no work.",
+        "pass the criterion against the reference, their windows are reset and every other program is unchanged; "
+        "empty kernel: one graph of an empty kernel timed the same way, what this timer reads for no work.",
         "run `python scripts/bench_deploy.py --solution NAME` on a GPU.",
         ["solution", "measured sources", "hardware", "case", "B", "due programs", "latency us", "floor us", "x floor",
          "target us", "checked"], rows)

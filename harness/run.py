@@ -93,11 +93,8 @@ def _progress(total: int):
         ratio = r.verdict.worst_head_ratio if r.verdict else None
         print(f"  [{r.solution} {done[0]}/{total}] {r.workload.label}: {r.status}"
               + (f" ratio {ratio:.4f}" if ratio is not None else "")
-              + (f" {r.latency_ms * 1e3:.1f} us, clock {r.clock['reported_ms'] / (r.clock['wall_ms'] - r.clock['null_wall_ms']):.3f}"
-                 if r.latency_ms is not None and r.clock else "")
-              + (f" ({r.log})" if r.log else "")
-              + (f" [wall {r.clock['wall_ms']:.2f} null {r.clock['null_wall_ms']:.2f} worker {r.clock['worker_loop_ms']}"
-                 f" null worker {r.clock['null_worker_loop_ms']} sum {r.clock['reported_ms']:.2f}]" if r.clock else ""),
+              + (f" {r.latency_ms * 1e3:.1f} us" if r.latency_ms is not None else "")
+              + (f" ({r.log})" if r.log else ""),
               flush=True)
     return report
 

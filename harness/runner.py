@@ -54,6 +54,11 @@ class Result:
     sha256: str = ""                    # of the sources the worker was given, taken before they ran
 
 
+def _one_line(text, limit: int = 500) -> str:
+    """Whatever a worker sent as a message, as one line of at most `limit` characters."""
+    return " ".join(str(text).split())[:limit]
+
+
 class Worker:
     """A solution's sandboxed process. `request` returns ("ok", header, tensors) or (status, one-line log, None);
     `fatal` is set once the worker timed out, died or sent a malformed reply (it is then stopped)."""
@@ -84,27 +89,35 @@ class Worker:
         if status != "ok":
             self.load_error = header
         elif header.get("status") != "ready":
-            self.load_error = str(header.get("message", "the worker did not load the solution"))[:500]
+            self.load_error = _one_line(header.get("message", "the worker did not load the solution"))
             self.stop()
 
     @staticmethod
     def _drain(stream, last) -> None:
-        for line in stream:
-            last.append(line.decode(errors="replace").rstrip()[:300])
+        """Keep the worker's last lines of output (for a dead worker's log), reading in bounded chunks: a line
+        without end must not grow this process."""
+        pending = b""
+        while chunk := stream.read1(1 << 16):
+            *lines, pending = (pending + chunk).split(b"\n")
+            pending = pending[-300:]
+            last.extend(_one_line(line.decode(errors="replace"), 300) for line in lines[-20:] if line.strip())
 
-    def _receive(self, what: str):
+    def _receive(self, what: str, max_bytes: int = wire.MAX_TENSOR_BYTES):
         try:
-            header, tensors = wire.receive(self.sock, self.timeout_s)
+            header, tensors = wire.receive(self.sock, self.timeout_s, max_bytes)
         except TimeoutError:
             return self._fail(TIMEOUT, f"no answer within {self.timeout_s:g} s while {what}; worker killed")
         except (EOFError, ConnectionError, OSError):
-            code = self.proc.wait(5) if self.proc else None
+            try:
+                code = self.proc.wait(5) if self.proc else None
+            except subprocess.TimeoutExpired:
+                code = "none: it closed its end and went on"
             said = f"; it printed: {self.output[-1]}" if self.output else ""
             return self._fail(RUNTIME_ERROR, f"worker process died while {what} (exit code {code}){said}")
         except wire.WireError as e:
             return self._fail(RUNTIME_ERROR, f"malformed reply while {what}: {e}; worker killed")
         if header.get("status") == "error":
-            return RUNTIME_ERROR, str(header.get("message"))[:500], None
+            return RUNTIME_ERROR, _one_line(header.get("message")), None
         return "ok", header, tensors
 
     def _fail(self, status: str, log: str):
@@ -112,7 +125,9 @@ class Worker:
         self.stop()
         return status, log, None
 
-    def request(self, header: dict, tensors: dict | None = None, what: str = "running"):
+    def request(self, header: dict, tensors: dict | None = None, what: str = "running",
+                max_bytes: int = wire.MAX_TENSOR_BYTES):
+        """Send a request; the reply's tensors may take at most max_bytes (more is a malformed reply)."""
         if self.fatal:
             return RUNTIME_ERROR, f"worker stopped earlier: {self.fatal}", None
         if self.load_error is None and self.proc is None:
@@ -122,8 +137,8 @@ class Worker:
         try:
             wire.send(self.sock, header, {k: v.detach().cpu() for k, v in (tensors or {}).items()})
         except OSError:
-            return self._receive(what)      # it died before reading: report how
-        return self._receive(what)
+            pass                            # it died before reading: the receive reports how
+        return self._receive(what, max_bytes)
 
     def stop(self) -> None:
         if self.proc is None:
@@ -178,6 +193,10 @@ def program_layout(defn: Definition) -> tuple[tuple[str, ...], int]:
         n += 1
     batched = tuple(name for name, s in defn.inputs.items() if s.shape[:n] == shapes[0][:n])
     return batched, n
+
+
+def outputs_nbytes(defn: Definition, axes: dict) -> int:
+    return sum(math.prod(defn.shape(s, axes)) * s.torch_dtype.itemsize for s in defn.outputs.values())
 
 
 def floor_ms(defn: Definition, axes: dict, bandwidth: float) -> float:
@@ -367,7 +386,8 @@ def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_
 
 def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: str = "") -> None:
     axes = defn.resolve_axes(result.workload.axes)
-    status, header, tensors = worker.request({"op": "run", "axes": axes}, pristine)
+    status, header, tensors = worker.request({"op": "run", "axes": axes}, pristine,
+                                             max_bytes=8 * outputs_nbytes(defn, axes) + wire.MAX_PADDING)
     if status != "ok":
         result.status, result.log = status, what + header
         return
@@ -413,7 +433,8 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
     for first in range(0, n_calls, chunk):
         count = min(chunk, n_calls - first)
         status, reply, tensors = worker.request({"op": "time_outputs", "first": first, "count": count}, None,
-                                                "sending the timed outputs")
+                                                "sending the timed outputs",
+                                                max_bytes=8 * count * outputs_nbytes(defn, axes) + wire.MAX_PADDING)
         if status != "ok":
             result.status, result.log = status, f"timed calls {first}..: {reply}"
             return

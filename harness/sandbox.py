@@ -18,8 +18,10 @@ import glob
 import hashlib
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -83,7 +85,7 @@ def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path]) -> list[s
     for path in hidden:
         argv += ["--tmpfs", str(path)]
     for path in python_paths():      # a virtual environment inside a hidden folder (the repository's .venv) stays
-        if _within(path, hidden):
+        if _within(path, hidden) and path not in [h.resolve() for h in hidden]:
             argv += ["--ro-bind", str(path), str(path)]
     argv += ["--ro-bind", str(stage), str(SOLUTION_DIR), "--ro-bind", str(HARNESS_PACKAGE), str(LIB_DIR / "harness"),
              "--bind", str(home), str(HOME_DIR),
@@ -92,10 +94,12 @@ def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path]) -> list[s
 
 
 def python_paths() -> list[Path]:
-    """The folders this Python runs from and imports from."""
+    """The folders of this Python installation: its prefixes, standard library and site-packages (whose .pth files
+    the worker's Python processes itself). Not the rest of sys.path: that holds the repository."""
     paths = [Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent]
-    paths += [Path(p) for p in sys.path if p and Path(p).is_dir()]
-    return [p.resolve() for p in dict.fromkeys(paths)]
+    paths += [Path(sysconfig.get_path(name)) for name in ("stdlib", "platstdlib", "purelib", "platlib")]
+    paths += [Path(p) for p in (*site.getsitepackages(), site.getusersitepackages())]
+    return [p.resolve() for p in dict.fromkeys(paths) if p.is_dir()]
 
 
 def solution_files(folder: Path, sources: tuple[str, ...]) -> list[tuple[str, bytes]]:
@@ -128,11 +132,10 @@ class Sandbox:
         self.downgrade = unavailable()
         self.sandboxed = self.downgrade is None
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
-        env.update({"PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "PYTHONUNBUFFERED": "1",
+        env.update({"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
                     **extra_env})
-        roots = {h.resolve() for h in hide} | {HARNESS_PACKAGE.parent}
-        outside = [str(p) for p in dict.fromkeys(Path(p).resolve() for p in sys.path if p and Path(p).is_dir())
-                   if p not in roots]
+        user_site = Path(site.getusersitepackages())
+        outside = [str(user_site)] if user_site.is_dir() else []      # the worker's HOME is not this one
         if self.sandboxed:
             self.solution_dir, lib = SOLUTION_DIR, LIB_DIR
             env.update({"HOME": str(HOME_DIR), "TMPDIR": "/tmp", "TRITON_CACHE_DIR": str(HOME_DIR / "triton")})

@@ -2,26 +2,26 @@
 
 Where each piece runs, and why a solution cannot bend the figure:
 
-- In the solution's worker (the only place its CUDA graph can be replayed; it is untrusted, since the solution
-  shares the process): `TimedLoop`. Warm-up and capture happen first, on the workload's committed inputs, into
-  INPUT_SETS input sets with one graph each. Then the harness sends a *pool* of fresh programs (drawn by the harness
-  from a seed that exists only in this run) and, last, the seed of the *schedule*: which pool programs every timed
-  call takes and under which of the operator's symmetries (here a signed permutation of the value and of the key
-  axis, exact in every dtype, which maps a state S to D_v P_v S P_k D_k and changes every output), so that no two
-  calls, and no call and the pool, hold the same program. Call k refills its input set from the pool by that
-  schedule, poisons the outputs (NaN; the minimum for integers), flushes the L2 with a write
-  twice its size, replays the graph between two CUDA events and copies the outputs aside. So every timed call runs
-  on programs that did not exist before its schedule arrived: nothing can be looked up or computed ahead.
-- In the harness (trusted): the schedule, drawn only after the pool is in place; the judge, which checks the
-  outputs of *every* timed call in full; and a wall clock around the whole timed loop, from sending the schedule to
-  receiving the reply. The same loop is run by the harness's own null worker (a solution that does nothing) to
-  measure the loop's overhead. Whatever the solution's process does to produce correct outputs (inside the events,
-  outside them, in a hook it patched) falls between sending and reply, so the wall time less the null loop's bounds
-  the time it really spent; reported event times that sum to less than that (by more than CLOCK_TOLERANCE), or whose
-  median sits below the bulk of their own distribution, are refused.
+- In the solution's worker (the only place its CUDA graph can be replayed; untrusted, since the solution shares the
+  process): `TimedLoop`. Warm-up and capture happen first, on the workload's committed inputs, into INPUT_SETS input
+  sets with one graph each. Then the harness sends a *pool* of fresh programs (drawn from a seed that exists only in
+  this run) and, last, only the seed of the *schedule* (`draw_calls`): which pool programs every timed call takes,
+  and under which of the operator's symmetries (for this operator a signed permutation of the value and of the key
+  axis, exact in every dtype, which maps the state S to D_v P_v S P_k D_k and changes every output). So no timed
+  call holds a program that existed before its seed arrived: nothing can be looked up or computed ahead. Call k
+  replays a captured preparation (keep call k - 1's outputs, refill the input set, poison the outputs with NaN or
+  the integer minimum, flush the L2 with a write twice its size), then the solution's graph between two CUDA
+  events.
+- In the harness (trusted): the seeds; the judge, which checks the outputs of *every* timed call in full; and a
+  wall clock around the whole loop, from sending the seed to receiving the reply. The harness's own null worker (a
+  solution that does nothing) runs the same loop first to measure its overhead. Whatever the solution's process does
+  to produce correct outputs (inside the events, outside them, in a hook it patched, all in the first call) falls
+  between sending and reply, so the wall time less the null loop's bounds the time per call; a median more than
+  CLOCK_TOLERANCE below that bound is refused (`clock_disagreement`).
 
 A solution must therefore be CUDA-graph capturable (no host synchronisation, side streams joined), as it must be
-inside a serving engine; one that is not is refused with `NotCapturable`.
+inside a serving engine; one that is not is refused with `NotCapturable`. On the CPU (tests only) the same loop runs
+with plain calls for graphs and time.perf_counter for events.
 """
 from __future__ import annotations
 
@@ -233,10 +233,10 @@ class TimedLoop:
 
 
 def time_replays(prepare: Callable, n_calls: int, stream) -> list[float]:
-    """The deployment benchmark's timer (scripts/bench_deploy.py, which runs the solution in this process: for
-    trusted sources only). Latency (ms) of n_calls CUDA-graph replays, each between two CUDA events on `stream`,
-    L2-cold: before call k, outside the timed region, `prepare(k)` readies the inputs and returns the graph to
-    replay, then the L2 is flushed."""
+    """The deployment benchmark's timer (harness/deploy.py, in the solution's worker; its figures are the worker's
+    own, not checked against the harness's clock). Latency (ms) of n_calls CUDA-graph replays, each between two CUDA
+    events on `stream`, L2-cold: before call k, outside the timed region, `prepare(k)` readies the inputs and
+    returns the graph to replay, then the L2 is flushed."""
     scratch = l2_flush_buffer(stream.device)
     events = []
     with torch.cuda.stream(stream):

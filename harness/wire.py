@@ -22,12 +22,14 @@ import time
 import torch
 
 MAX_HEADER = 1 << 22
+MAX_TENSOR_BYTES = 1 << 36      # 64 GiB: the largest reply (the outputs of a timed chunk) is far below
 _LENGTH = struct.Struct("<Q")
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)}       # no bool: a byte other than 0 or 1 is not one
 _ALIGN = 64
+MAX_PADDING = 16 * _ALIGN       # what alignment adds to a message of a dozen tensors
 
 
 class WireError(Exception):
@@ -99,9 +101,10 @@ def _recv(sock: socket.socket, n: int, deadline: float, fds: list[int]) -> bytes
     return b"".join(chunks)
 
 
-def receive(sock: socket.socket, timeout_s: float) -> tuple[dict, dict[str, torch.Tensor]]:
+def receive(sock: socket.socket, timeout_s: float,
+            max_bytes: int = MAX_TENSOR_BYTES) -> tuple[dict, dict[str, torch.Tensor]]:
     """(header, tensors) of the next message. TimeoutError when it is not complete within timeout_s, EOFError when
-    the peer closed, WireError when it is malformed."""
+    the peer closed, WireError when it is malformed or its tensors take more than max_bytes."""
     deadline = time.monotonic() + timeout_s
     fds: list[int] = []
     try:
@@ -110,13 +113,13 @@ def receive(sock: socket.socket, timeout_s: float) -> tuple[dict, dict[str, torc
             raise WireError(f"message header of {length} bytes (limit {MAX_HEADER})")
         try:
             header = json.loads(_recv(sock, length, deadline, fds), parse_constant=_no_constant)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:      # bad UTF-8, bad JSON, integers too long to convert
             raise WireError(f"message is not JSON ({type(e).__name__})") from None
         if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
             raise WireError("message is not a JSON object with a 'tensors' list")
         if len(fds) > 1 or (header["tensors"] and not fds):
             raise WireError(f"message carries {len(fds)} files for {len(header['tensors'])} tensors")
-        tensors = _unpack(header.pop("tensors"), fds[0] if fds else None)
+        tensors = _unpack(header.pop("tensors"), fds[0] if fds else None, max_bytes)
         return header, tensors
     finally:
         for fd in fds:
@@ -127,9 +130,13 @@ def _no_constant(name):
     raise WireError(f"message holds {name}")
 
 
-def _unpack(specs: list, fd: int | None) -> dict[str, torch.Tensor]:
+def _unpack(specs: list, fd: int | None, max_bytes: int) -> dict[str, torch.Tensor]:
     if not specs:
         return {}
+    parsed = [_spec(spec) for spec in specs]
+    needed = max(offset + math.prod(shape) * dtype.itemsize for _, dtype, shape, offset in parsed)
+    if needed > max_bytes:
+        raise WireError(f"the message's tensors take {needed} bytes (limit {max_bytes})")
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise WireError("the tensor file is not a regular file")
@@ -140,13 +147,18 @@ def _unpack(specs: list, fd: int | None) -> dict[str, torch.Tensor]:
     if seals & _SEALS != _SEALS:
         raise WireError("the tensor file is not a sealed memfd")
     size = st.st_size
+    if not needed <= size <= needed + _ALIGN:
+        raise WireError(f"the tensor file holds {size} bytes for tensors of {needed}")
+    if needed == 0:
+        return {name: torch.empty(shape, dtype=dtype) for name, dtype, shape, _ in parsed}
     tensors = {}
-    with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as buf:
-        for spec in specs:
-            name, dtype, shape, offset = _spec(spec)
+    try:
+        buf = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as e:
+        raise WireError(f"the tensor file cannot be mapped ({type(e).__name__})") from None
+    with buf:
+        for name, dtype, shape, offset in parsed:
             nbytes = math.prod(shape) * dtype.itemsize
-            if offset + nbytes > size:
-                raise WireError(f"tensor {name!r} runs past the end of its file")
             if name in tensors:
                 raise WireError(f"tensor {name!r} sent twice")
             flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else \

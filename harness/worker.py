@@ -2,8 +2,9 @@
 
 It loads the solution named in the first message and answers requests on the socket FD (harness.wire messages):
 "run" (the outputs of one call), the timed loop's "time_prepare", "time_pool", "time_run" and "time_outputs"
-(harness.timing.TimedLoop), and "stop". Everything it sends is data that the harness checks; nothing in this process
-is trusted, since the solution's code runs in it.
+(harness.timing.TimedLoop), the deployment form's "deploy_case" and "deploy_empty" (harness.deploy: the solution's
+pool.py, imported at the first such request), and "stop". Everything it sends is data that the harness checks;
+nothing in this process is trusted, since the solution's code runs in it.
 """
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from harness import timing, wire
+from harness import deploy, timing, wire
 from harness.definition import parse_definition
 from harness.ops import load_op
-from harness.solutions import NULL, Solution, load_entry, reference_solution, null_solution
+from harness.solutions import NULL, Solution, load_entry, load_module, reference_solution, null_solution
 
 WAIT_FOREVER = 1e9
 
@@ -49,17 +50,15 @@ def describe_outputs(out) -> tuple[list[dict], dict[str, torch.Tensor]]:
     return specs, tensors
 
 
-def _load(msg: dict, defn):
+def _load(msg: dict, defn) -> Solution:
     spec = msg["solution"]
     if spec["name"] == "reference":
-        sol = reference_solution(defn)
-    elif spec["name"] == NULL:
-        sol = null_solution(defn)
-    else:
-        sol = Solution(spec["name"], defn.name, "", spec["language"], spec["entry_file"], spec["entry_function"],
-                       spec["destination_passing_style"], sources=tuple(spec["sources"]),
-                       folder=Path(msg["solution_dir"]))
-    return load_entry(sol, defn)
+        return reference_solution(defn)
+    if spec["name"] == NULL:
+        return null_solution(defn)
+    return Solution(spec["name"], defn.name, "", spec["language"], spec["entry_file"], spec["entry_function"],
+                    spec["destination_passing_style"], sources=tuple(spec["sources"]),
+                    folder=Path(msg["solution_dir"]))
 
 
 def serve(sock: socket.socket) -> None:
@@ -72,12 +71,13 @@ def serve(sock: socket.socket) -> None:
     try:
         defn = parse_definition(msg["definition"], "definition")
         op = load_op(defn.op_type)
-        fn = _load(msg, defn)
+        sol = _load(msg, defn)
+        fn = load_entry(sol, defn)
     except BaseException as e:  # noqa: BLE001 - any failure to load is the solution's compile error
         wire.send(sock, {"status": "compile_error", "message": _one_line(e)})
         return
     wire.send(sock, {"status": "ready"})
-    loop = None
+    loop = flush_inplace = None
     while True:
         try:
             msg, tensors = wire.receive(sock, WAIT_FOREVER)
@@ -112,6 +112,16 @@ def serve(sock: socket.socket) -> None:
             elif request == "time_outputs":
                 outs = loop.outputs_of(msg["first"], msg["count"])
                 wire.send(sock, {"status": "ok"}, {f"out{i}": t.cpu() for i, t in enumerate(outs)})
+            elif request == "deploy_case":
+                if flush_inplace is None:
+                    flush_inplace = load_module(sol, deploy.DEPLOYMENT_SOURCE).flush_inplace
+                inputs = {k: v.to(device) for k, v in tensors.items()}
+                count, slots = inputs.pop("count"), inputs.pop("slots")
+                median, marginal, state = deploy.run_case(flush_inplace, op, inputs, count, slots, msg["in_graph"])
+                wire.send(sock, {"status": "ok", "median_ms": median, "marginal_ms": marginal},
+                          {k: v.cpu() for k, v in state.items()})
+            elif request == "deploy_empty":
+                wire.send(sock, {"status": "ok", "empty_graph_us": deploy.empty_graph_us(device)})
             else:
                 raise ValueError(f"unknown request {request!r}")
         except BaseException as e:  # noqa: BLE001 - reported as the workload's RUNTIME_ERROR

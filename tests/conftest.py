@@ -6,8 +6,8 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Triton kernels run in this process too (the deployment form's tests): through the interpreter, which has to be
-    # chosen before triton is first imported (its own library functions are defined then)
+    # a Triton kernel that a test imports into this process (not through a worker) runs through the interpreter,
+    # which has to be chosen before triton is first imported (its own library functions are defined then)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]

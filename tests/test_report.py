@@ -25,11 +25,20 @@ def test_summary_and_rows():
     summary = next(line for line in text.splitlines() if line.startswith("| fast "))
     cells = [c.strip() for c in summary.strip("|").split("|")]
     # 3 workloads, 2 passed; speedups 60 and 30: geomean 42.43; fast_1 = fast_10 = fast_30 share 2/3 (30 is not > 30)
-    assert cells == ["fast", "current", "3", "2", "42.43", "0.67", "0.67", "0.33", "0.00"]
+    assert cells == ["fast", "current", "UNSANDBOXED (RECORDED WITHOUT ISOLATION)", "3", "2", "42.43", "0.67", "0.67",
+                     "0.33", "0.00"]
     row64 = next(line for line in text.splitlines() if line.startswith("| fast ") and "| 64 " in line)
     assert "| PASSED " in row64 and "| 75.0 " in row64 and "| 3.00 " in row64 and "1.0040" in row64
     assert "TIMEOUT (1/1)" in text
     assert sorted(series) == ["fast", "memory floor", "reference"]
+
+
+def test_isolation_is_shown_and_a_downgrade_is_loud():
+    sandboxed, bare = _trace("fast", 64, "a", 0.1, 3.0), _trace("fast", 128, "a", 0.1, 3.0)
+    sandboxed["evaluation"]["environment"]["sandbox"] = "bwrap"
+    assert report.isolation_state([sandboxed]) == "bwrap"
+    bare["evaluation"]["environment"]["sandbox"] = "unsandboxed (no bwrap)"
+    assert report.isolation_state([sandboxed, bare]) == "UNSANDBOXED (NO BWRAP); bwrap"
 
 
 def test_every_solution_against_the_fastest_measured_copy_rate():

@@ -31,13 +31,13 @@ from harness.workloads import load_workloads, select
 HONEST = "torch_v1"
 DATA = ("definitions", "workloads", "traces")       # what a run reads from the repository
 TIMEOUT_S = 60.0
-HANG_TIMEOUT_S = 6.0     # where an attack hangs: above the worker's start-up (about 2 s here), well below a minute
+HANG_TIMEOUT_S = 8.0     # where an attack hangs: well above the worker's start-up (about 2 s here)
 
 needs_sandbox = pytest.mark.skipif(sandbox.unavailable() is not None,
                                    reason=f"no sandbox here ({sandbox.unavailable()}): the attack would run for real")
 
-# Prepended to an attack's main.py (after its template is filled): attempt(what, action) runs one step and appends "what: outcome" to
-# ~/attempts.txt, the outcome being "done" or the errno name of the OSError that stopped it.
+# Prepended to an attack's main.py once its template is filled: attempt(what, action) runs one step and appends
+# "what: outcome" to ~/attempts.txt, the outcome being "done" or the errno name of the OSError that stopped it.
 ATTEMPT = '''\
 import errno
 import os
@@ -154,7 +154,7 @@ def run(*x):
 
 
 @needs_sandbox
-def test_killing_the_harness_fails(defn, repo, monkeypatch):
+def test_killing_the_harness_fails(repo, monkeypatch):
     """In its PID namespace the harness's pid and group do not exist, the worker's parent is the namespace's init
     (which ignores signals sent from inside) and nothing else lives there: every kill misses, and the attack goes
     on to return the honest outputs."""
@@ -175,7 +175,7 @@ import atexit
 from flush import run as flush
 
 REPO = {repo!r}          # the repository the harness runs from
-KNOWN = {known!r}        # its files, as listed on GitHub
+KNOWN = {known!r}        # its files, known from the public repository
 HARNESS_PID = {pid}
 
 
@@ -209,7 +209,7 @@ def run(*x):
 
 
 @needs_sandbox
-def test_repository_files_cannot_be_changed(defn, repo, monkeypatch):
+def test_repository_files_cannot_be_changed(repo, monkeypatch):
     before = snapshot(repo)
     code = ATTEMPT + VANDAL.format(repo=str(repo), known=sorted(before), pid=os.getpid(), definition=DEFINITION)
     make_solution(repo / "solutions", "vandal", code)
@@ -238,10 +238,7 @@ def run(*x):
 
 
 @needs_sandbox
-@pytest.mark.xfail(strict=True, reason="sandbox._bwrap_argv re-binds every folder of python_paths() that lies in a "
-                                       "hidden one, and `python -m harness.run` puts the repository root (its cwd) "
-                                       "on sys.path: the whole repository is bound back, read-only")
-def test_the_repository_is_hidden_from_a_solution(defn, repo):
+def test_the_repository_is_hidden_from_a_solution(repo):
     """As users run it: `python -m harness.run` from the repository root, in a process of its own."""
     make_solution(repo / "solutions", "peek", PEEK.format(repo=str(repo)))
     done = subprocess.run([sys.executable, "-m", "harness.run", "--solution", "peek", "--device", "cpu",
@@ -254,7 +251,7 @@ def test_the_repository_is_hidden_from_a_solution(defn, repo):
 
 DAEMON = '''
 import os, sys, time
-marker, worker, *targets = sys.argv[1:]
+marker, worker, *targets = sys.argv[1:]     # the marker only labels this process for the test to find
 with open(os.path.expanduser("~/daemon.pid"), "w") as f:
     f.write(str(os.getpid()))
 while True:
@@ -385,13 +382,15 @@ def run(*x):
 
 
 @needs_sandbox
-def test_the_judge_and_the_definition_cannot_be_replaced(defn, repo, monkeypatch, tmp_path):
-    marker, host_cache = tmp_path / "forged_judge_ran", Path(importlib.util.cache_from_source(str(ROOT / JUDGE))).parent
+def test_the_judge_and_the_definition_cannot_be_replaced(repo, monkeypatch, tmp_path):
+    marker = tmp_path / "forged_judge_ran"
+    host_cache = Path(importlib.util.cache_from_source(str(ROOT / JUDGE))).parent
     existed = host_cache.exists()
     before, cached = snapshot(repo), {p: p.read_bytes() for p in host_cache.glob("*")}
     [definition] = [rel for rel in before if rel.endswith(f"{DEFINITION}.json")]
-    code = ATTEMPT + FORGER.format(repo=str(repo), marker=str(marker), host_root=str(sandbox.HARNESS_PACKAGE.parent),
-                         judge=JUDGE, definition=str(Path(definition).relative_to("definitions")))
+    code = ATTEMPT + FORGER.format(repo=str(repo), marker=str(marker), judge=JUDGE,
+                                   host_root=str(sandbox.HARNESS_PACKAGE.parent),
+                                   definition=str(Path(definition).relative_to("definitions")))
     make_solution(repo / "solutions", "forger", code)
     try:
         exit_code, results = run_cli(monkeypatch, "forger", HONEST)
@@ -575,34 +574,25 @@ PROTOCOL = {
     "garbage": ("HARNESS.sendall(bytes.fromhex('deadbeef') * 64); gone()", runner.RUNTIME_ERROR,
                 "malformed reply while running: message header of"),
     "huge shape": ("reply({'dtype': 'float32', 'shape': [1 << 20, 1 << 19]}, sealed_memfd(4096)); gone()",
-                   runner.RUNTIME_ERROR, "runs past the end of its file"),
+                   runner.RUNTIME_ERROR, "limit"),
     "wrong dtype": ("reply({'dtype': 'bool', 'shape': [64]}, sealed_memfd(4096)); gone()", runner.RUNTIME_ERROR,
                     "has dtype 'bool'"),
     "pipe": ("reply({'dtype': 'int8', 'shape': [64]}, os.pipe()[0]); gone()", runner.RUNTIME_ERROR,
              "not a regular file"),
     "regular file": ("reply({'dtype': 'int8', 'shape': [64]}, file_in_home(4096)); gone()", runner.RUNTIME_ERROR,
                      "not a sealed memfd"),
-}
-# Holes, each with what goes wrong. tests/test_wire.py covers the receiver's own (an empty file, a file larger than
-# memory, an integer too long to parse): each escapes runner.evaluate as the exception it is.
-PROTOCOL_HOLES = {
-    "socket shut down": (
-        "HARNESS.shutdown(socket.SHUT_RDWR); stay()", runner.RUNTIME_ERROR, "",
-        "Worker._receive takes EOF (or any OSError) for a dead worker and waits 5 s for it to exit; the worker is "
-        "alive, so subprocess.TimeoutExpired escapes runner.evaluate and ends the run"),
+    # the worker is alive but its end is closed: the harness must not wait for it to exit
+    "socket shut down": ("HARNESS.shutdown(socket.SHUT_RDWR); stay()", runner.RUNTIME_ERROR, "worker process died"),
     "error message of several lines": (
         "HARNESS.sendall(frame(json.dumps({'status': 'error', 'tensors': [], "
-        "'message': 'boom\\\\nTraceback (most recent call last):\\\\n  forged'}).encode())); gone()",
-        runner.RUNTIME_ERROR, "boom",
-        "Worker._receive copies an error reply's message into the log as it is, newlines included"),
+        "'message': 'boom\\n  a forged second line\\n  and a third'}).encode())); gone()",
+        runner.RUNTIME_ERROR, "boom a forged second line"),
 }
 
 
 @needs_sandbox
 @pytest.mark.parametrize("attack, status, says", [
     *(pytest.param(*PROTOCOL[name], id=name) for name in PROTOCOL),
-    *(pytest.param(*case[:3], id=name, marks=pytest.mark.xfail(strict=True, reason=case[3]))
-      for name, case in PROTOCOL_HOLES.items()),
 ])
 def test_a_forged_message_is_refused(defn, one, tmp_path, attack, status, says):
     marker = tmp_path / "unpickled"
@@ -670,7 +660,7 @@ def test_a_hang_costs_one_timeout_and_stops_the_solution(defn, one, tmp_path):
     assert results[0].log == f"no answer within {HANG_TIMEOUT_S:g} s while running; worker killed"
     stopped = f"not run: the worker was stopped on {results[0].workload.label} ({results[0].log})"
     assert all(r.log == stopped for r in results[1:]), results[1].log
-    assert elapsed < 2 * HANG_TIMEOUT_S, elapsed          # one timeout, not one per workload
+    assert elapsed < (len(workloads) - 1) * HANG_TIMEOUT_S, elapsed      # one timeout (and start, stop), not four
     assert_honest_passes(defn, one)
 
 
@@ -692,10 +682,8 @@ def run(*x):
 
 
 @needs_sandbox
-@pytest.mark.xfail(strict=True, reason="keep_going does not restart the worker: Worker.request answers every request "
-                                       "after a fatal one with RUNTIME_ERROR 'worker stopped earlier', although "
-                                       "--keep-going says it restarts the worker and runs the remaining workloads")
 def test_keep_going_runs_the_remaining_workloads(defn, tmp_path):
+    """After the timeout a fresh worker (same sources, same home) runs the next workload."""
     workloads = select(load_workloads(defn), [1], ["random", "edge"])
     sol = plant(defn, tmp_path / "planted", "hangs_once", HANGS_ONCE)
     results = judge(defn, sol, workloads, timeout_s=HANG_TIMEOUT_S, keep_going=True)
@@ -741,9 +729,6 @@ def peak_rss_mb() -> float:
 
 
 @needs_sandbox
-@pytest.mark.xfail(strict=True, reason="Worker._drain reads the worker's output line by line: a line without an end "
-                                       "is buffered whole in the harness (256 MB printed: the harness's peak grew by "
-                                       "about 600 MB), so a long enough one exhausts the harness's memory")
 def test_an_endless_line_of_output_does_not_grow_the_harness(defn, one, tmp_path):
     code = "import sys\nfrom flush import run as flush\n\n\ndef run(*x):\n" \
            "    sys.stdout.write('x' * (128 << 20))\n    return flush(*x)\n"

@@ -2,6 +2,8 @@
 runner.evaluate: on the CPU (plain calls timed by perf_counter, a small loop and a loose tolerance for a shared
 machine's noise) for the attacks that do not need a GPU, and on the GPU (skipped without one) for the rest. Each
 attack is written as a competitor would write it and must lose; an honest solution in the same setting must pass."""
+import os
+
 import pytest
 import torch
 
@@ -233,3 +235,16 @@ def test_timing_attack_loses_on_gpu(defn, gpu_workloads, tmp_path, cheat, messag
     results = runner.evaluate(defn, load_solution(cheat, defn, tmp_path), gpu_workloads, "cuda")
     assert all(r.status != runner.PASSED and any(m in r.log for m in messages) for r in results), \
         [(r.status, r.log) for r in results]
+
+
+def test_gpu_process_check_leaves_out_the_harness_and_its_workers():
+    """NVML's list of processes on the GPU includes the harness and its workers; only others are reported."""
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        own = timing._own_processes()
+        assert os.getpid() in own and child.pid in own and 1 not in own
+    finally:
+        child.kill()
+        child.wait()
