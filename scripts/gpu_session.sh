@@ -23,5 +23,5 @@ start=$(mktemp)
 status=${PIPESTATUS[0]}
 find traces -type f -newer "$start" -exec cp --parents {} "$OUT/" \;
 rm -f "$start"
-python3 -m pytest -q -p no:cacheprovider tests/test_timing.py tests/test_deployment.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+python3 -m pytest -q -p no:cacheprovider tests/test_timing.py tests/test_deployment.py tests/test_sandbox.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
 exit $status
