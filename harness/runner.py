@@ -79,8 +79,13 @@ class Worker:
 
     def start(self) -> None:
         self.sock, child = socket.socketpair()
-        self.proc = self.box.popen(["-m", "harness.worker", str(child.fileno())], pass_fds=(child.fileno(),))
-        child.close()
+        try:
+            self.proc = self.box.popen(["-m", "harness.worker", str(child.fileno())], pass_fds=(child.fileno(),))
+        except OSError as e:
+            self.load_error = f"the worker process does not start ({type(e).__name__}: {e})"
+            return
+        finally:
+            child.close()
         self.output = collections.deque(maxlen=20)
         threading.Thread(target=self._drain, args=(self.proc.stdout, self.output), daemon=True).start()
         wire.send(self.sock, {"definition": self.defn.raw, "solution": self.sol.worker_spec(),
@@ -335,7 +340,10 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
     results, stopped = [], None
     try:
         if timed:
-            _calibrate(defn, op, calibration, workloads, device, root)
+            try:
+                _calibrate(defn, op, calibration, workloads, device, root)
+            except HarnessError as e:           # no overhead to check a clock against: no figure can be trusted
+                timed, stopped = False, (RUNTIME_ERROR, f"not timed: {e}"[:400])
         for w in workloads:
             result = Result(sol.name, w, PASSED, isolation=worker.isolation, sha256=worker.sha256)
             if stopped:

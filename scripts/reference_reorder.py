@@ -14,8 +14,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness.definition import find_definition                      # noqa: E402
 from harness.ops import load_op                                      # noqa: E402
