@@ -219,24 +219,29 @@ def _flat(t: torch.Tensor, n_prefix: int) -> torch.Tensor:
     return t.reshape(-1, *t.shape[n_prefix:])
 
 
+def pool_axes(defn: Definition, w: Workload, timed: bool) -> tuple[dict, int, int]:
+    """The var axes of a workload's fresh pool, its programs per call and the pool's programs: when timed, the var
+    axis of the program axes scaled so that the pool holds at least POOL_PROGRAMS."""
+    _, n_prefix = program_layout(defn)
+    prefix = defn.outputs[next(iter(defn.outputs))].shape[:n_prefix]
+    axes = defn.resolve_axes(w.axes)
+    n_programs = math.prod(axes[a] for a in prefix)
+    var = next((a for a in prefix if a in w.axes), None)
+    scale = math.ceil(timing.POOL_PROGRAMS / n_programs) if timed and var else 1
+    return {**w.axes, **({var: w.axes[var] * scale} if var else {})}, n_programs, n_programs * scale
+
+
 class Programs:
-    """A workload's fresh pool of programs, drawn from the run's seed: at least POOL_PROGRAMS when timed, so that
-    small batches too draw every timed call from many programs. `inputs(index)` builds the inputs of calls whose
-    part g takes pool programs index[:, g] (concatenated along the first dim)."""
+    """A workload's fresh pool of programs, drawn from the run's seed (pool_axes). `first()` is one call's inputs
+    from it; `calls(...)` those of timed calls (timing.call_inputs)."""
 
     def __init__(self, defn: Definition, w: Workload, seed: int, device: str, timed: bool):
         batched, self.n_prefix = program_layout(defn)
         self.batched = set(batched)
-        axes = defn.resolve_axes(w.axes)
-        prefix = defn.outputs[next(iter(defn.outputs))].shape[:self.n_prefix]
-        self.n_programs = math.prod(axes[a] for a in prefix)
-        var = next((a for a in prefix if a in w.axes), None)
-        scale = math.ceil(timing.POOL_PROGRAMS / self.n_programs) if timed and var else 1
-        pool_axes = {**w.axes, **({var: w.axes[var] * scale} if var else {})}
-        self.pool = generate_tensors(defn, w.family, pool_axes, seed, device)
-        self.unit = defn.shape(defn.inputs[batched[0]], axes)[:self.n_prefix]
+        var_axes, self.n_programs, self.pool_programs = pool_axes(defn, w, timed)
+        self.pool = generate_tensors(defn, w.family, var_axes, seed, device)
+        self.unit = defn.shape(defn.inputs[batched[0]], defn.resolve_axes(w.axes))[:self.n_prefix]
         self.flat = {k: _flat(v, self.n_prefix) if k in self.batched else v for k, v in self.pool.items()}
-        self.pool_programs = self.n_programs * scale
 
     def first(self) -> dict:
         """The inputs of one call on the pool's first programs: a fresh draw of the family."""
@@ -370,8 +375,7 @@ def _calibrate(defn, op, calibration: Calibration, workloads, device, root) -> N
             pristine = load_inputs(defn, w, device, root)
         except HarnessError:
             continue                        # reported as that workload's error
-        n_programs = math.prod(pristine[batched[0]].shape[:n_prefix])
-        pool_programs = n_programs * math.ceil(timing.POOL_PROGRAMS / n_programs)
+        _, n_programs, pool_programs = pool_axes(defn, w, timed=True)
         calibration.measure(op, pristine, axes, batched, n_prefix, timing.timed_calls(n_programs), pool_programs)
 
 
