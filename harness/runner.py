@@ -272,8 +272,6 @@ class Calibration:
     def measure(self, op, pristine: dict, axes: dict, batched, n_prefix: int, n_calls: int,
                 pool_programs: int) -> None:
         key = _key(axes, n_calls, pool_programs)
-        if key in self.walls:
-            return
         if self.worker is None:
             self.worker = Worker(null_solution(self.defn), self.defn, self.device, self.timeout_s, self.hide)
         n_programs = math.prod(pristine[batched[0]].shape[:n_prefix])
@@ -371,11 +369,13 @@ def _calibrate(defn, op, calibration: Calibration, workloads, device, root) -> N
     batched, n_prefix = program_layout(defn)
     for w in workloads:
         axes = defn.resolve_axes(w.axes)
+        _, n_programs, pool_programs = pool_axes(defn, w, timed=True)
+        if _key(axes, timing.timed_calls(n_programs), pool_programs) in calibration.walls:
+            continue                        # this shape was measured for an earlier workload or solution
         try:
             pristine = load_inputs(defn, w, device, root)
         except HarnessError:
             continue                        # reported as that workload's error
-        _, n_programs, pool_programs = pool_axes(defn, w, timed=True)
         calibration.measure(op, pristine, axes, batched, n_prefix, timing.timed_calls(n_programs), pool_programs)
 
 
