@@ -20,7 +20,7 @@ import torch
 from harness import deploy, timing, wire
 from harness.definition import parse_definition
 from harness.ops import load_op
-from harness.solutions import NULL, Solution, load_entry, load_module, reference_solution, null_solution
+from harness.solutions import NULL, REFERENCE, Solution, load_entry, load_module, null_solution, reference_solution
 
 WAIT_FOREVER = 1e9
 
@@ -52,7 +52,7 @@ def describe_outputs(out) -> tuple[list[dict], dict[str, torch.Tensor]]:
 
 def _load(msg: dict, defn) -> Solution:
     spec = msg["solution"]
-    if spec["name"] == "reference":
+    if spec["name"] == REFERENCE:
         return reference_solution(defn)
     if spec["name"] == NULL:
         return null_solution(defn)
