@@ -171,7 +171,8 @@ def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = 
                      "`harness/timing.py`); x floor: latency over the memory floor (every byte read and written once "
                      "at the fastest copy rate measured on that hardware by the recorded runs); speedup: over "
                      "`reference` on the same workloads. Measured sources: whether the traces were taken on the "
-                     "solution's sources as they are now; isolation: how its runs were sandboxed (`harness/sandbox.py`).", ""]
+                     "solution's sources as they are now; isolation: how its runs were sandboxed "
+                     "(`harness/sandbox.py`).", ""]
 
     for definition, ts in sorted(by_def.items()):
         parts += [f"## {definition}", "", f"![latency against batch size]({PLOT.as_posix()})", ""]

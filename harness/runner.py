@@ -215,10 +215,6 @@ def fresh_seed(run_seed: int, w: Workload) -> int:
     return int.from_bytes(hashlib.sha256(f"{run_seed}/{w.uuid}".encode()).digest()[:7], "little")
 
 
-def _flat(t: torch.Tensor, n_prefix: int) -> torch.Tensor:
-    return t.reshape(-1, *t.shape[n_prefix:])
-
-
 def pool_axes(defn: Definition, w: Workload, timed: bool) -> tuple[dict, int, int]:
     """The var axes of a workload's fresh pool, its programs per call and the pool's programs: when timed, the var
     axis of the program axes scaled so that the pool holds at least POOL_PROGRAMS."""
@@ -241,7 +237,8 @@ class Programs:
         var_axes, self.n_programs, self.pool_programs = pool_axes(defn, w, timed)
         self.pool = generate_tensors(defn, w.family, var_axes, seed, device)
         self.unit = defn.shape(defn.inputs[batched[0]], defn.resolve_axes(w.axes))[:self.n_prefix]
-        self.flat = {k: _flat(v, self.n_prefix) if k in self.batched else v for k, v in self.pool.items()}
+        self.flat = {k: timing.flat_programs(v, self.n_prefix) if k in self.batched else v
+                     for k, v in self.pool.items()}
 
     def first(self) -> dict:
         """The inputs of one call on the pool's first programs: a fresh draw of the family."""
@@ -276,7 +273,8 @@ class Calibration:
             self.worker = Worker(null_solution(self.defn), self.defn, self.device, self.timeout_s, self.hide)
         n_programs = math.prod(pristine[batched[0]].shape[:n_prefix])
         rows = torch.arange(pool_programs, device=next(iter(pristine.values())).device) % n_programs
-        pool = {k: (_flat(v, n_prefix).index_select(0, rows).reshape(-1, *v.shape[1:]) if k in batched else v)
+        pool = {k: (timing.flat_programs(v, n_prefix).index_select(0, rows).reshape(-1, *v.shape[1:])
+                    if k in batched else v)
                 for k, v in pristine.items()}
         walls = []
         for status, log, _ in _timed_loop(op, self.worker, pristine, pool, axes, batched, n_prefix, n_calls,

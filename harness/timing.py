@@ -100,8 +100,9 @@ def l2_flush_buffer(device) -> torch.Tensor:
     return torch.empty(max(2 * l2, 1 << 27), dtype=torch.uint8, device=device)
 
 
-def _flat(t: torch.Tensor, n_prefix: int) -> torch.Tensor:
-    return t.view(-1, *t.shape[n_prefix:])
+def flat_programs(t: torch.Tensor, n_prefix: int) -> torch.Tensor:
+    """t with its first n_prefix dims (the program axes) as one."""
+    return t.reshape(-1, *t.shape[n_prefix:])
 
 
 class _Rerun:
@@ -178,7 +179,8 @@ class TimedLoop:
         """Take the pool of fresh programs, capture each call's preparation as a graph of its own (so that the loop
         launches four things a call and the GPU, not the host, sets its pace) and run the loop once, untimed, so
         that every kernel it uses is loaded before the clock starts."""
-        self.pool = {k: (_flat(v, self.n_prefix) if k in self.batched else v).to(self.device) for k, v in pool.items()}
+        self.pool = {k: (flat_programs(v, self.n_prefix) if k in self.batched else v).to(self.device)
+                     for k, v in pool.items()}
         self.unit = tuple(self.sets[0][next(iter(self.batched))].shape[:self.n_prefix])
         self.pool_programs = self.pool[next(iter(self.batched))].shape[0]
         self.index, self.variants = draw_calls(self.n_calls, math.prod(self.unit), self.pool_programs, 0, self.op,

@@ -25,9 +25,10 @@ MAX_HEADER = 1 << 22
 MAX_TENSOR_BYTES = 1 << 36      # 64 GiB: the largest reply (the outputs of a timed chunk) is far below
 _LENGTH = struct.Struct("<Q")
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+# no bool: a byte other than 0 or 1 is not one
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)}       # no bool: a byte other than 0 or 1 is not one
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)}
 _ALIGN = 64
 MAX_PADDING = 16 * _ALIGN       # what alignment adds to a message of a dozen tensors
 
