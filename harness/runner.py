@@ -262,7 +262,7 @@ class Calibration:
 
     def __init__(self, defn: Definition, device: str, timeout_s: float, hide: list[Path]):
         self.defn, self.device, self.timeout_s, self.hide = defn, device, timeout_s, hide
-        self.walls: dict[tuple, float] = {}
+        self.walls: dict[tuple, tuple[float, float]] = {}
         self.loops: dict[tuple, object] = {}
         self.worker: Worker | None = None
 
@@ -276,15 +276,17 @@ class Calibration:
         pool = {k: (timing.flat_programs(v, n_prefix).index_select(0, rows).reshape(-1, *v.shape[1:])
                     if k in batched else v)
                 for k, v in pristine.items()}
-        walls = []
+        walls, calls = [], []
         for status, log, _ in _timed_loop(op, self.worker, pristine, pool, axes, batched, n_prefix, n_calls,
                                           n_programs, pool_programs, self.REPEATS, walls):
             if status != "ok":
                 raise HarnessError(f"the null worker failed its timed loop: {log}")
             self.loops[key] = log.get("loop_ms")
-        self.walls[key] = statistics.median(walls)
+            calls.append(statistics.median(log["latencies_ms"]))
+        self.walls[key] = statistics.median(walls), statistics.median(calls)
 
-    def wall(self, axes: dict, n_calls: int, pool_programs: int) -> float:
+    def null_loop(self, axes: dict, n_calls: int, pool_programs: int) -> tuple[float, float]:
+        """(wall time of the null worker's loop, median of its calls), in ms."""
         return self.walls[_key(axes, n_calls, pool_programs)]
 
     def close(self) -> None:
@@ -460,11 +462,11 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
             result.status, result.log = INCORRECT_NUMERICAL, f"timed calls {first}-{first + count - 1}: " \
                                                              f"{verdict.reason}"
             return
-    null_wall = calibration.wall(axes, n_calls, programs.pool_programs)
+    null_wall, null_call = calibration.null_loop(axes, n_calls, programs.pool_programs)
     result.clock = {"timed_calls": n_calls, "wall_ms": walls[0], "null_wall_ms": null_wall,
-                    "reported_ms": sum(latencies), "worker_loop_ms": header.get("loop_ms"),
+                    "null_call_ms": null_call, "reported_ms": sum(latencies), "worker_loop_ms": header.get("loop_ms"),
                     "null_worker_loop_ms": calibration.loops.get(_key(axes, n_calls, programs.pool_programs))}
-    refused = timing.clock_disagreement(latencies, walls[0], null_wall)
+    refused = timing.clock_disagreement(latencies, walls[0], null_wall, null_call)
     if refused:
         result.status, result.log = RUNTIME_ERROR, f"timing refused: {refused}"
         return

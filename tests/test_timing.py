@@ -161,6 +161,11 @@ def test_clock_disagreement():
     assert "outside the timed region" in timing.clock_disagreement([0.1] * 50, wall_ms=60.0, null_wall_ms=10.0)
     front_loaded = [45.0] + [0.1] * 49                                          # the sum is right, the median is not
     assert timing.clock_disagreement(front_loaded, wall_ms=60.0, null_wall_ms=10.0) is not None
+    # the null loop's own calls (0.2 ms each) are part of what its wall time subtracted
+    assert timing.clock_disagreement(honest, wall_ms=50.0 + timing.CLOCK_SLACK_MS, null_wall_ms=10.0,
+                                     null_call_ms=0.2) is None
+    assert timing.clock_disagreement([0.85] * 50, wall_ms=50.0 + timing.CLOCK_SLACK_MS, null_wall_ms=10.0,
+                                     null_call_ms=0.2) is not None
 
 
 @pytest.fixture
@@ -195,6 +200,29 @@ def test_honest_solution_passes_the_cpu_timed_path(defn, tmp_path, cpu_timing):
 def test_timing_attack_loses_on_cpu(defn, tmp_path, cpu_timing, cheat, status, messages):
     [r] = _timed_on_cpu(defn, tmp_path, cheat, CHEATS[cheat])
     assert r.status == status and any(m in r.log for m in messages), (r.status, r.log)
+
+
+# destination-passing: writes its outputs while the harness judges it and warms the loop up, then leaves them as
+# they are (the timed loop fills no outputs inside the call: its preparation poisons them beforehand)
+LAZY_DPS = """
+from flush import run as flush
+_calls = []
+
+
+def run(*x):
+    _calls.append(1)
+    if len(_calls) <= 16:
+        for out, value in zip(x[-5:], flush(*x[:-5])):
+            out.copy_(value)
+"""
+
+
+def test_destination_passing_outputs_left_unwritten_in_the_timed_loop_fail(defn, tmp_path, cpu_timing):
+    make_solution(tmp_path, "lazy_dps", LAZY_DPS, dps=True)
+    workloads = select(load_workloads(defn), [1], ["random"])
+    [r] = runner.evaluate(defn, load_solution("lazy_dps", defn, tmp_path), workloads, "cpu", timeout_s=120,
+                          timed=True, bandwidth=1e12)
+    assert r.status == runner.INCORRECT_NUMERICAL and "timed calls" in r.log, (r.status, r.log)
 
 
 @pytest.fixture(scope="module")
