@@ -105,9 +105,11 @@ def _prefetch(ptrs, PF: tl.constexpr):
 
 @triton.jit
 def _normalize(v):
-    n = tl.sqrt(tl.sum(v * v, axis=0))
-    n = tl.maximum(n, 1e-30)
-    return v / n
+    # scaled by the largest entry first: a Gram-Schmidt remainder of a rank-deficient state can be ~1e-20, whose
+    # squares flush to zero in fp32 and left v / 1e-30 ~ 1e10, an overflowing "unit" column; a zero column stays zero
+    m = tl.max(tl.abs(v), axis=0)
+    t = v / tl.maximum(m, 1e-30)
+    return t / tl.maximum(tl.sqrt(tl.sum(t * t, axis=0)), 1e-30)
 
 
 @triton.jit
@@ -117,18 +119,23 @@ def _proj(v, c):
 
 @triton.jit
 def _mgs2(a0, a1, a2, a3):
-    """Modified Gram-Schmidt with the projections applied twice, as the reference's _mgs."""
+    """Modified Gram-Schmidt with the projections applied twice, as the reference's _mgs, then once more after
+    normalising: a column inside the span of the earlier ones to working precision (a rank-deficient state) leaves
+    only the second pass's rounding, which the normalisation blows up to a unit vector up to 0.98 along c0; one
+    projection of the unit vector removes that."""
     c0 = _normalize(a0)
     v = a1
     v = _proj(v, c0)
     v = _proj(v, c0)
-    c1 = _normalize(v)
+    v = _normalize(v)
+    c1 = _normalize(_proj(v, c0))
     v = a2
     v = _proj(v, c0)
     v = _proj(v, c1)
     v = _proj(v, c0)
     v = _proj(v, c1)
-    c2 = _normalize(v)
+    v = _normalize(v)
+    c2 = _normalize(_proj(_proj(v, c0), c1))
     v = a3
     v = _proj(v, c0)
     v = _proj(v, c1)
@@ -136,7 +143,8 @@ def _mgs2(a0, a1, a2, a3):
     v = _proj(v, c0)
     v = _proj(v, c1)
     v = _proj(v, c2)
-    c3 = _normalize(v)
+    v = _normalize(v)
+    c3 = _normalize(_proj(_proj(_proj(v, c0), c1), c2))
     return c0, c1, c2, c3
 
 
