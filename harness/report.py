@@ -4,7 +4,8 @@ Per solution and batch size: status over the families, median latency, its ratio
 `reference` and the worst-head ratio; per solution: the geometric-mean speedup and fast_p (the share of workloads
 that pass and are more than p times faster than the reference). Only timed traces (a GPU's) count. Two more sections
 come from the other records under traces/<definition>/: `deploy_<solution>.json` (scripts/bench_deploy.py: the
-deployment form's timings) and `drift_<solution>.json` (`python -m harness.drift --record`: the worst window). `--check`
+deployment form's timings), `drift_<solution>.json` (`python -m harness.drift --record`: the worst window) and
+`stress_<solution>.json` (`python -m harness.stress --record`: the search for breaking inputs). `--check`
 exits 1 when the committed LEADERBOARD.md differs from what the traces give (a stale leaderboard)."""
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def load_records(kind: str, root: Path = TRACES) -> list[dict]:
 
 def leaderboard(root: Path = TRACES) -> tuple[str, dict]:
     """The leaderboard of everything recorded under root: build() on its traces and records."""
-    return build(load_all(root), deploy=load_records("deploy", root), drift=load_records("drift", root))
+    return build(load_all(root), deploy=load_records("deploy", root), drift=load_records("drift", root),
+                 stress=load_records("stress", root))
 
 
 def _batch(t: dict) -> int:
@@ -142,6 +144,25 @@ def drift_section(records: list[dict], current: dict) -> list[str]:
          "ratio", "worst-head ratio", "limit"], rows)
 
 
+def stress_section(records: list[dict], current: dict) -> list[str]:
+    rows = []
+    for r in records:
+        failures = r["failures"]
+        first = failures[0] if failures else None
+        rows.append([r["solution"], sources_state([r], current.get((r["definition"], r["solution"]))),
+                     r["environment"]["hardware"], r["examples"], r["calls"], r["batch_size"],
+                     "clean" if not failures else f"{len(failures)} FAILED",
+                     "-" if first is None else f"{first['status']}: {' '.join(first['log'].split())[:80]}"])
+    return _records_section(
+        "Search for breaking inputs",
+        "`python -m harness.stress --record`: a property-based search (Hypothesis) over the operator's grammar of "
+        "degenerate heads (rank-deficient states, states orthogonal to q0, cancelling or empty windows, scales "
+        "across decades, total decay, exactly representable values), each example judged as `harness.run` judges; "
+        "examples: those drawn, calls: with the shrinking of failures.",
+        "run `python -m harness.stress --solution NAME --examples 300 --device cuda --record`.",
+        ["solution", "measured sources", "hardware", "examples", "calls", "B", "outcome", "first failure"], rows)
+
+
 def best_floors(traces: list[dict]) -> dict:
     """{(hardware, batch size): memory floor ms} at the fastest copy rate any run on that hardware measured: a copy
     can only come out slow (something else on the GPU, clocks ramping up), so the fastest is the truest ceiling,
@@ -156,11 +177,11 @@ def best_floors(traces: list[dict]) -> dict:
 
 
 def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = (),
-          drift: list[dict] = ()) -> tuple[str, dict]:
+          drift: list[dict] = (), stress: list[dict] = ()) -> tuple[str, dict]:
     """The leaderboard's markdown and the plot's series {solution: [(batch, median latency ms)]} (+ 'floor'), from
     the traces and the deploy and drift records. `current` maps (definition, solution) to its sources' hash now
     (default: read from the repository)."""
-    current = current_hashes([*traces, *deploy, *drift]) if current is None else current
+    current = current_hashes([*traces, *deploy, *drift, *stress]) if current is None else current
     by_def = defaultdict(list)
     for t in traces:
         by_def[t["definition"]].append(t)
@@ -224,7 +245,7 @@ def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = 
         parts.append("")
     if not traces:
         parts += ["No timed traces yet: run `python -m harness.run --device cuda` on a GPU.", ""]
-    parts += deployment_section(deploy, current) + drift_section(drift, current)
+    parts += deployment_section(deploy, current) + drift_section(drift, current) + stress_section(stress, current)
     return "\n".join(parts), series
 
 

@@ -42,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--definition", default=DEFAULT_DEFINITION, help="definition name (default: %(default)s)")
     p.add_argument("--batch-sizes", type=_csv(int), help="comma-separated (default: all; 1,2 on CPU)")
     p.add_argument("--families", type=_csv(str), help="comma-separated input families (default: all)")
+    p.add_argument("--workloads", metavar="FILE",
+                   help="a workload file (JSONL) instead of the definition's, e.g. a reproducer written by "
+                        "harness.stress; its workloads at every batch size; no traces unless --traces is given")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds per call before TIMEOUT (default: 300); a solution's first timeout or dead worker "
@@ -106,12 +109,13 @@ def main(argv=None) -> int:
         defn = find_definition(args.definition)
         names = args.solutions or discover(defn)
         solutions = [load_solution(n, defn) for n in names]
-        batch_sizes = args.batch_sizes or (CPU_BATCH_SIZES if device == "cpu" else None)
-        workloads = select(load_workloads(defn), batch_sizes, args.families)
+        batch_sizes = args.batch_sizes or (CPU_BATCH_SIZES if device == "cpu" and not args.workloads else None)
+        workloads = select(load_workloads(defn, args.workloads), batch_sizes, args.families)
         fresh = tempfile.TemporaryDirectory(prefix="harness_seed_") if args.seed is not None else None
         root = fresh.name if fresh else "."
         if fresh:
-            workloads = [make_workload(defn, w.family, w.axes, args.seed, root, device) for w in workloads]
+            workloads = [make_workload(defn, w.family, w.axes, args.seed, root, device, w.params)
+                         for w in workloads]
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -121,7 +125,7 @@ def main(argv=None) -> int:
         solutions = [s for s in solutions if s.language != "cuda"]
     timed = device == "cuda" and not fresh
     trace_root = (None if args.no_traces or fresh else Path(args.traces) if args.traces
-                  else traces.TRACES if timed else None)
+                  else traces.TRACES if timed and not args.workloads else None)
     env = traces.environment(device)
     run_seed = args.run_seed if args.run_seed is not None else int.from_bytes(os.urandom(7), "little")
     print(f"{defn.name}: {len(solutions)} solution(s) x {len(workloads)} workload(s) on {device} "

@@ -235,7 +235,7 @@ class Programs:
         batched, self.n_prefix = program_layout(defn)
         self.batched = set(batched)
         var_axes, self.n_programs, self.pool_programs = pool_axes(defn, w, timed)
-        self.pool = generate_tensors(defn, w.family, var_axes, seed, device)
+        self.pool = generate_tensors(defn, w.family, var_axes, seed, device, w.params)
         self.unit = defn.shape(defn.inputs[batched[0]], defn.resolve_axes(w.axes))[:self.n_prefix]
         self.flat = {k: timing.flat_programs(v, self.n_prefix) if k in self.batched else v
                      for k, v in self.pool.items()}
@@ -396,28 +396,32 @@ def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_
         _time_one(defn, op, worker, pristine, programs, result, bandwidth, calibration)
 
 
-def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: str = "") -> None:
-    axes = defn.resolve_axes(result.workload.axes)
-    status, header, tensors = worker.request({"op": "run", "axes": axes}, pristine,
+def judge_call(defn, op, worker: Worker, inputs: dict, var_axes: dict) -> tuple[str, str, Verdict | None]:
+    """(status, log, verdict) of one call of the worker's solution on `inputs`: its reply checked against the
+    definition, its inputs untouched, its outputs judged against the reference run here."""
+    axes = defn.resolve_axes(var_axes)
+    status, header, tensors = worker.request({"op": "run", "axes": axes}, inputs,
                                              max_bytes=8 * outputs_nbytes(defn, axes) + wire.MAX_PADDING)
     if status != "ok":
-        result.status, result.log = status, what + header
-        return
-    device = next(iter(pristine.values())).device
-    result.status, result.log = check_outputs(defn, header.get("outputs"), tensors, axes, device.type)
-    if result.status != PASSED:
-        result.log = what + result.log
-        return
+        return status, header, None
+    device = next(iter(inputs.values())).device
+    status, log = check_outputs(defn, header.get("outputs"), tensors, axes, device.type)
+    if status != PASSED:
+        return status, log, None
     if header.get("modified") is not None:
-        result.status, result.log = RUNTIME_ERROR, f"the solution modified its input {str(header['modified'])[:40]!r}"
-        return
+        return RUNTIME_ERROR, f"the solution modified its input {str(header['modified'])[:40]!r}", None
     outputs = tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
-    verdict = op.judge(pristine, outputs, defn.reference_run()(**pristine))
-    if result.verdict is None or not verdict.passed or \
-            (verdict.worst_head_ratio or 0) > (result.verdict.worst_head_ratio or 0):
+    verdict = op.judge(inputs, outputs, defn.reference_run()(**inputs))
+    return (PASSED, "", verdict) if verdict.passed else (INCORRECT_NUMERICAL, verdict.reason, verdict)
+
+
+def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: str = "") -> None:
+    status, log, verdict = judge_call(defn, op, worker, pristine, result.workload.axes)
+    if verdict is not None and (result.verdict is None or not verdict.passed
+                                or (verdict.worst_head_ratio or 0) > (result.verdict.worst_head_ratio or 0)):
         result.verdict = verdict            # the worse of the committed and the fresh inputs' verdicts
-    if not verdict.passed:
-        result.status, result.log = INCORRECT_NUMERICAL, what + verdict.reason
+    if status != PASSED:
+        result.status, result.log = status, what + log
 
 
 def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, result: Result, bandwidth: float,

@@ -1,14 +1,15 @@
 """Workloads: FlashInfer-bench workload lines (JSONL) whose tensors live in safetensors blobs.
 
-One line per (batch size, family). Each line records the family and seed the blob is generated from and the sha256
-of its tensor contents: a missing blob is regenerated from the seed, a blob whose contents differ is refused.
+One line per (batch size, family). Each line records the family and seed the blob is generated from (and, for a
+family that takes them, the generator's params, as a search's reproducer does) and the sha256 of its tensor contents:
+a missing blob is regenerated from them, a blob whose contents differ is refused.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import uuid as uuid_lib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from harness import HarnessError
 from harness.definition import Definition
 from harness.ops import load_op
 
-DEFAULT_BATCH_SIZES = (1, 2, 16, 32, 64, 128, 256, 512)
+DEFAULT_BATCH_SIZES = (1, 2, 16, 32, 64, 128, 256, 512)   # a family may name fewer (op.FAMILY_BATCH_SIZES)
 BASE_SEED = 20261202
 
 
@@ -35,6 +36,7 @@ class Workload:
     family: str
     seed: int
     sha256: str
+    params: dict = field(default_factory=dict)      # the family's generator parameters, if it takes any
 
     @property
     def blob(self) -> str:
@@ -47,7 +49,8 @@ class Workload:
     def to_json(self) -> dict:
         return {"definition": self.definition,
                 "workload": {"uuid": self.uuid, "axes": self.axes, "inputs": self.inputs,
-                             "family": self.family, "seed": self.seed, "sha256": self.sha256},
+                             "family": self.family, "seed": self.seed, "sha256": self.sha256,
+                             **({"params": self.params} if self.params else {})},
                 "solution": None, "evaluation": None}
 
 
@@ -71,23 +74,35 @@ def _seed(defn: Definition, family: str, var_axes: dict, base_seed: int) -> int:
 
 
 def make_workload(defn: Definition, family: str, var_axes: dict[str, int], base_seed: int = BASE_SEED,
-                  root: str | Path = ".", device="cpu") -> Workload:
-    """Generate one workload's tensors, write its blob and return its line (with the blob's hash)."""
-    seed = _seed(defn, family, var_axes, base_seed)
+                  root: str | Path = ".", device="cpu", params: dict | None = None) -> Workload:
+    """Generate one workload of the definition's set (its seed derived from the base seed), write its blob under
+    workloads/blob/ and return its line (with the blob's hash)."""
     stem = "_".join([family] + [f"{k}{v}" for k, v in var_axes.items()])
-    blob = f"workloads/blob/{defn.name}/{stem}.safetensors"
-    tensors = generate_tensors(defn, family, var_axes, seed, device)
+    return write_workload(defn, family, var_axes, _seed(defn, family, var_axes, base_seed),
+                          f"workloads/blob/{defn.name}/{stem}.safetensors", params, root, device)
+
+
+def write_workload(defn: Definition, family: str, var_axes: dict[str, int], seed: int, blob: str,
+                   params: dict | None = None, root: str | Path = ".", device="cpu") -> Workload:
+    """Generate the tensors of (family, var_axes, seed, params), write them to `blob` (relative to root) and return
+    the workload line."""
+    tensors = generate_tensors(defn, family, var_axes, seed, device, params)
     path = Path(root) / blob
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(path))
-    uid = str(uuid_lib.uuid5(uuid_lib.NAMESPACE_URL, f"{defn.name}/{stem}/{seed}"))
+    uid = str(uuid_lib.uuid5(uuid_lib.NAMESPACE_URL, f"{defn.name}/{Path(blob).stem}/{seed}"
+                             + (f"/{json.dumps(params, sort_keys=True)}" if params else "")))
     inputs = {name: {"type": "safetensors", "path": blob, "tensor_key": name} for name in defn.inputs}
-    return Workload(defn.name, uid, dict(var_axes), inputs, family, seed, content_sha256(tensors))
+    return Workload(defn.name, uid, dict(var_axes), inputs, family, seed, content_sha256(tensors), dict(params or {}))
 
 
-def generate_tensors(defn: Definition, family: str, var_axes: dict, seed: int, device="cpu") -> dict:
+def generate_tensors(defn: Definition, family: str, var_axes: dict, seed: int, device="cpu",
+                     params: dict | None = None) -> dict:
     axes = defn.resolve_axes(var_axes)
-    tensors = load_op(defn.op_type).make_inputs(family, axes, seed, device)
+    try:
+        tensors = load_op(defn.op_type).make_inputs(family, axes, seed, device, params=params or None)
+    except ValueError as e:         # params the family does not know
+        raise WorkloadError(f"family {family!r}: {e}") from None
     _check_tensors(defn, tensors, axes, f"family {family!r}")
     return tensors
 
@@ -133,9 +148,11 @@ def _parse_line(raw, defn: Definition, where: str) -> Workload:
     need(isinstance(w.get("family"), str), "workload.family", "must name the input family")
     need(isinstance(w.get("seed"), int), "workload.seed", "must be an integer")
     need(isinstance(w.get("sha256"), str) and len(w["sha256"]) == 64, "workload.sha256", "must be a sha256 hex")
+    need(isinstance(w.get("params", {}), dict), "workload.params", "must be an object of generator parameters")
     families = load_op(defn.op_type).FAMILIES
     need(w["family"] in families, "workload.family", f"unknown family {w['family']!r} (known: {families})")
-    return Workload(defn.name, w["uuid"], dict(w["axes"]), inputs, w["family"], w["seed"], w["sha256"])
+    return Workload(defn.name, w["uuid"], dict(w["axes"]), inputs, w["family"], w["seed"], w["sha256"],
+                    dict(w.get("params", {})))
 
 
 def load_workloads(defn: Definition, path: str | Path | None = None) -> list[Workload]:
@@ -167,7 +184,7 @@ def load_inputs(defn: Definition, w: Workload, device="cpu", root: str | Path = 
             raise WorkloadError(f"{path}: unreadable safetensors blob ({e}); delete it to regenerate") from None
         origin = "on disk"
     else:
-        tensors = generate_tensors(defn, w.family, w.axes, w.seed, device)
+        tensors = generate_tensors(defn, w.family, w.axes, w.seed, device, w.params)
         origin = "regenerated from its seed"
     tensors = {name: tensors.get(spec["tensor_key"]) for name, spec in w.inputs.items()}
     missing = [n for n, t in tensors.items() if t is None]

@@ -1,6 +1,7 @@
 """Write the definition's workload file and blobs: one FlashInfer-bench workload line per (batch size, family).
 
-    python scripts/gen_workloads.py                       # every family at batch sizes 1, 2, 16, ..., 512
+    python scripts/gen_workloads.py                       # every family at batch sizes 1, 2, 16, ..., 512 (or the
+                                                          # family's own, op.FAMILY_BATCH_SIZES)
     python scripts/gen_workloads.py --families trajectory # redo some lines; the others stay as they are
 """
 from __future__ import annotations
@@ -29,10 +30,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         defn = find_definition(args.definition)
-        families = args.families.split(",") if args.families else load_op(defn.op_type).FAMILIES
+        op = load_op(defn.op_type)
+        families = args.families.split(",") if args.families else op.FAMILIES
         workloads = []
         for b in (int(x) for x in args.batch_sizes.split(",")):
             for family in families:
+                if b not in op.FAMILY_BATCH_SIZES.get(family, (b,)):
+                    continue
                 t = time.time()
                 workloads.append(make_workload(defn, family, {"batch_size": b}, args.seed, device=args.device))
                 print(f"{family:>13} batch_size={b:<4} {time.time() - t:6.1f} s  {workloads[-1].blob}", flush=True)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs in one device call: judge, time and record the given solutions on every workload,
-# one harness.run each (so that a solution's traces are kept even if a later one runs out of time), then run the
-# GPU-only tests (timing, sandbox, deployment form). Into $OUT go the trace files this call wrote (under
+# one harness.run each (so that a solution's traces are kept even if a later one runs out of time), each followed by
+# a recorded search for breaking inputs (harness.stress, STRESS_EXAMPLES examples, default 300; 0 skips it), then run
+# the GPU-only tests (timing, sandbox, deployment form). Into $OUT go the trace files this call wrote (under
 # traces/<definition>/, so they can be copied over the repository's) and two logs: few files, since the device tool
 # brings back at most 8.
 #   bash scripts/gpu_session.sh [--no-tests] reference cuda_v1 triton_v1 torch_v1
@@ -27,6 +28,11 @@ for solution in "$@"; do
   SECONDS=0
   python3 -m harness.run --device cuda --solution "$solution" 2>&1 | tee -a "$OUT/run.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  if [ "${STRESS_EXAMPLES:-300}" != 0 ] && [ "$solution" != reference ]; then
+    python3 -m harness.stress --solution "$solution" --examples "${STRESS_EXAMPLES:-300}" --device cuda --record \
+      --no-database 2>&1 | tee -a "$OUT/run.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
   echo "$solution: ${SECONDS} s" | tee -a "$OUT/run.log"
   find traces -type f -newer "$start" -exec cp --parents {} "$OUT/" \;
   rm -f "$start"

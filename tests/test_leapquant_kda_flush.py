@@ -141,3 +141,66 @@ def test_zero_head_must_decode_exactly(defn):
     u[0, zero, 0, 0], q[0, zero, 0, 0] = 1e-3, 1.0
     v = op.judge(x, ref[:3] + (u, q), ref)
     assert not v.passed and "cap" in v.reason and f"head {zero}" in v.reason
+
+
+# ---------------------------------------------------------------------------------------------- stress grammar
+def _stress(defn, programs, call=None, seed=0, batch_size=1):
+    return op.make_inputs("stress", axes_for(defn, batch_size), seed, params={"programs": programs,
+                                                                              "call": call or {}})
+
+
+@pytest.mark.parametrize("r", [0, 1, 2, 3, 4, 5])
+def test_stress_rank_is_exact(defn, r):
+    """A head of rank r is exactly of rank <= r (singular values past r at fp64 rounding), whatever its other
+    choices; r < 5 heads with codes are not possible, so every such head is captured by the tokens alone."""
+    programs = [{"rank": r, "checkpoint": c, "window": wdw, "keys": k, "scale": sc, "values": v}
+                for c in ("both", "tokens") for wdw in ("full", "one") for k in ("random", "cancel")
+                for sc in ("unit", "hot_row", "huge") for v in ("random", "exact")][:32]
+    x = _stress(defn, programs, seed=r)
+    assert (x["codes"] == 0).all()
+    for h, sv in enumerate(torch.linalg.svdvals(op.exact_state(x)[0])):
+        assert r == 5 or sv[r] <= 1e-12 * sv[0], (h, programs[h], sv[:6])
+
+
+@pytest.mark.parametrize("q0", ["half", "one_hot"])
+def test_stress_orthogonal_to_q0_exactly(defn, q0):
+    """With q0 zero on part of the value axis, a low-rank head orthogonal to q0 has S^T q0 = 0 exactly: the first
+    Gram-Schmidt sees an all-zero matrix."""
+    programs = [{"rank": r, "overlap": "orthogonal_q0", "scale": s} for r in (1, 2, 3, 4, 5)
+                for s in ("unit", "hot_row", "tiny")]
+    x = _stress(defn, programs, {"q0": q0})
+    s = op.exact_state(x)[0, :len(programs)]
+    assert (torch.einsum("hvk,vr->hkr", s, x["q0"].double()) == 0).all()
+    assert (s.abs().amax((-2, -1)) > 0).all()
+
+
+def test_stress_windows_and_cancelling_pairs(defn):
+    x = _stress(defn, [{"checkpoint": "zero", "window": w, "keys": "cancel", "decay": "none"}
+                       for w in ("full", "few", "one", "empty")])
+    live = (x["w"][0, :4] != 0).sum(-1).tolist()
+    assert live == [16, 4, 1, 0]
+    s = op.exact_state(x)[0]
+    only_ends = {k: x[k].clone() for k in x}
+    only_ends["w"][0, 0, 1:15] = 0          # full window: pairs (1, 2) ... (13, 14) cancel, entries 0 and 15 stay
+    only_ends["w"][0, 1, 1:3] = 0           # four entries: pair (1, 2) cancels
+    assert torch.allclose(op.exact_state(only_ends)[0, :2], s[:2], rtol=0, atol=1e-12 * float(s.abs().max()))
+    assert (s[3] == 0).all() and (x["s_k"][0, :4] == op.EPS).all()
+
+
+def test_stress_plain_programs_and_bad_params(defn):
+    """Programs past the named list are plain; a named axis must exist and its option be one of the grammar's."""
+    x = _stress(defn, [{"rank": 0}])
+    assert (op.exact_state(x)[0, 0] == 0).all() and (op.exact_state(x)[0, 1:].abs().amax((-2, -1)) > 0).all()
+    for params, message in (({"programs": [{"colour": "red"}]}, "keys among"),
+                            ({"programs": [{"rank": 7}]}, "has no option 7"),
+                            ({"call": {"q0": "sparse"}}, "has no option 'sparse'"),
+                            ({"heads": []}, "unknown stress parameters")):
+        with pytest.raises(ValueError, match=message):
+            op.make_inputs("stress", axes_for(defn, 1), 0, params=params)
+
+
+def test_reference_finite_on_the_stress_family(defn):
+    """The grammar stays where the reference itself holds (finite outputs), so the criterion is meaningful on it."""
+    for seed in range(3):
+        x = _inputs(defn, "stress", 4, seed)
+        assert all(torch.isfinite(t.float()).all() for t in defn.reference_run()(**x))

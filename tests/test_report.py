@@ -88,11 +88,17 @@ def _drift(ratio):
             "windows": 64, "batch_size": 16, "limit": 1.01, "worst": worst, "rows": [worst]}
 
 
-def test_deployment_and_drift_sections():
+def _stress(failures):
+    return {"definition": "d", "solution": "fast", "solution_sha256": "abc", "environment": {"hardware": "NVIDIA_H200"},
+            "examples": 300, "calls": 340, "batch_size": 1, "seed": None, "failures": failures}
+
+
+def test_deployment_drift_and_stress_sections():
     current = {("d", "fast"): "abc"}
     text, _ = report.build([], current=current)
     assert "## Deployment form" in text and "## Drift over many windows" in text
-    assert text.count("Nothing recorded yet") == 2
+    assert "## Search for breaking inputs" in text
+    assert text.count("Nothing recorded yet") == 3
     text, _ = report.build([], current=current, deploy=[_deploy(sha="old")], drift=[_drift(1.02)])
     lines = text.splitlines()
     all_due = next(line for line in lines if "| all due " in line)
@@ -103,7 +109,14 @@ def test_deployment_and_drift_sections():
     assert "| 2.9 " in empty and "| fast " in empty
     worst = next(line for line in lines if line.startswith("| fast ") and "| 64 " in line and "| 7 " in line)
     assert "| current " in worst and "| 1.0200 " in worst and "1.01 EXCEEDED" in worst
-    assert "Nothing recorded" not in text
+    assert text.count("Nothing recorded yet") == 1
+    failure = {"status": "INCORRECT_NUMERICAL", "log": "non-finite values in u_new at (batch 0, head 3)"}
+    text, _ = report.build([], current=current, stress=[_stress([failure, failure])])
+    searched = next(line for line in text.splitlines() if line.startswith("| fast ") and "| 340 " in line)
+    assert all(f"| {c} " in searched for c in ("current", "NVIDIA_H200", "300", "2 FAILED"))
+    assert "non-finite values in u_new" in searched
+    text, _ = report.build([], current=current, stress=[_stress([])])
+    assert "| clean " in next(line for line in text.splitlines() if "| 340 " in line)
 
 
 def test_records_loaded_by_kind(tmp_path):
@@ -112,4 +125,6 @@ def test_records_loaded_by_kind(tmp_path):
     (tmp_path / "d" / "drift_fast.json").write_text(json.dumps(_drift(1.0)))
     assert [r["rows"][0]["case"] for r in report.load_records("deploy", tmp_path)] == ["all due"]
     assert [r["worst"]["ratio"] for r in report.load_records("drift", tmp_path)] == [1.0]
+    (tmp_path / "d" / "stress_fast.json").write_text(json.dumps(_stress([])))
+    assert [r["examples"] for r in report.load_records("stress", tmp_path)] == [300]
     assert report.load_all(tmp_path) == []

@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.ops import leapquant_kda_flush as op
-from harness.workloads import (DEFAULT_BATCH_SIZES, WorkloadError, load_inputs, load_workloads, select,
-                               workloads_path)
+from harness.workloads import (DEFAULT_BATCH_SIZES, WorkloadError, load_inputs, load_workloads, save_workloads,
+                               select, workloads_path, write_workload)
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,8 @@ def workloads(defn):
 
 def test_every_batch_size_and_family_listed(workloads):
     got = {(w.axes["batch_size"], w.family) for w in workloads}
-    assert got == {(b, f) for b in DEFAULT_BATCH_SIZES for f in op.FAMILIES}
+    assert got == {(b, f) for b in DEFAULT_BATCH_SIZES for f in op.FAMILIES
+                   if b in op.FAMILY_BATCH_SIZES.get(f, DEFAULT_BATCH_SIZES)}
     assert len({w.uuid for w in workloads}) == len(workloads)
     assert all(w.blob.startswith("workloads/blob/") for w in workloads)
 
@@ -88,3 +89,23 @@ def test_select(workloads):
         select(workloads, [3], None)
     with pytest.raises(WorkloadError, match="no workload of family 'gauss'"):
         select(workloads, None, ["gauss"])
+
+
+def test_params_recorded_and_regenerated(defn, tmp_path):
+    """A workload with generator params (a search's reproducer) round-trips through its line and regenerates from
+    seed and params when its blob is gone; params a family does not take are one line."""
+    params = {"programs": [{}, {"rank": 0, "window": "one"}], "call": {"q0": "half"}}
+    w = write_workload(defn, "stress", {"batch_size": 1}, 5, "repro/x.safetensors", params, root=tmp_path)
+    save_workloads(tmp_path / "repro.jsonl", [w])
+    [again] = load_workloads(defn, tmp_path / "repro.jsonl")
+    assert again.params == params and again.sha256 == w.sha256
+    first = load_inputs(defn, again, root=tmp_path)
+    (tmp_path / "repro/x.safetensors").unlink()
+    assert all(torch.equal(first[k], v) for k, v in load_inputs(defn, again, root=tmp_path).items())
+    plain = write_workload(defn, "stress", {"batch_size": 1}, 5, "repro/y.safetensors", root=tmp_path)
+    assert plain.sha256 != w.sha256 and "params" not in plain.to_json()["workload"]
+    with pytest.raises(WorkloadError, match="family 'random' takes no parameters"):
+        write_workload(defn, "random", {"batch_size": 1}, 5, "repro/z.safetensors", params, root=tmp_path)
+    with pytest.raises(WorkloadError, match="stress axis 'rank' has no option 9"):
+        write_workload(defn, "stress", {"batch_size": 1}, 5, "repro/z.safetensors", {"programs": [{"rank": 9}]},
+                       root=tmp_path)

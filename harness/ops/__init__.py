@@ -2,8 +2,13 @@
 `harness/ops/<op_type>.py`. The generic core reaches them only through `load_op` and this interface:
 
     FAMILIES: tuple[str, ...]
-    make_inputs(family, axes, seed, device) -> dict[str, Tensor]   # pure function of its arguments
-    judge(inputs, outputs, reference_outputs) -> Verdict            # outputs already shape/dtype checked
+    FAMILY_BATCH_SIZES: dict[str, tuple[int, ...]]   # families committed at fewer than the default batch sizes
+    make_inputs(family, axes, seed, device, params=None) -> dict[str, Tensor]   # pure function of its arguments;
+                                                                 # ValueError for params the family does not take
+    judge(inputs, outputs, reference_outputs) -> Verdict         # outputs already shape/dtype checked
+    STRESS_FAMILY, PROGRAM_GRAMMAR, CALL_GRAMMAR                 # harness.stress: the family whose params
+                                                                 # {"programs": [...], "call": {...}} name, per
+                                                                 # program and per call, an option of each axis
 """
 from __future__ import annotations
 

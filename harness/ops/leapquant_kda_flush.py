@@ -24,7 +24,8 @@ RATIO_LIMIT = 1.01      # err_candidate <= RATIO_LIMIT * err_reference ...
 EXACT_HEAD = 1e-4       # ... where err_reference >= EXACT_HEAD * mean|S|; below it the format captures the head
 EXACT_CAP = 1e-3        # almost exactly, and the candidate's error is capped at EXACT_CAP * mean|S| instead
 
-FAMILIES = ("edge", "second_window", "random", "trajectory")
+FAMILIES = ("edge", "second_window", "random", "trajectory", "stress")
+FAMILY_BATCH_SIZES = {"stress": (1, 16, 64, 256)}
 EDGE_KINDS = ("generic", "rank1", "rank2", "zero", "tiny", "tinier", "huge", "hot_row", "decayed", "no_decay",
               "split_decades")
 TRAJECTORY_WINDOWS = 4  # windows streamed through the flush before the one the workload holds
@@ -318,11 +319,195 @@ def _trajectory(d: _Draws, B, H, V, K, L, R) -> tuple[dict, dict, torch.Tensor]:
     return checkpoint, _cast(_kda_window(d, B, H, V, K, L)), q0
 
 
-def make_inputs(family: str, axes: dict, seed: int, device="cpu") -> dict[str, torch.Tensor]:
-    """The inputs of one workload: a pure function of (family, axes, seed) whose bits do not depend on `device`."""
+# ----------------------------------------------------------------------------------------------- stress: a grammar
+# The `stress` family and `python -m harness.stress` draw every head (program) from independent named choices, each
+# option list ordered from the plainest to the most degenerate, so that a search shrinks a failing head towards the
+# plain one and a reproducer names only the choices that matter. Every value is built from exact operations on
+# values exact in the input dtypes, so an exactly rank-deficient state or a projection onto q0 that vanishes is
+# exactly that in the inputs, not approximately.
+PROGRAM_GRAMMAR = {
+    "checkpoint": ("both", "tokens", "codes", "zero"),      # which parts of the old checkpoint hold anything
+    "tokens_rank": (4, 3, 2, 1),                           # rank of its token part q^T u
+    "window": ("full", "few", "one", "empty"),              # live entries: 16, 4, 1, 0 (the rest as a reset leaves them)
+    "keys": ("random", "repeated", "collinear", "cancel"),  # cancel: entry pairs with equal keys, opposite values
+    "rank": ("full", 0, 1, 2, 3, 4, 5),                    # the state's exact rank (codes zero, values in a span)
+    "overlap": ("generic", "orthogonal_q0"),                # every value vector orthogonal to q0's columns
+    "scale": ("unit", "tiny", "huge", "split", "hot_row", "hot_column", "deep"),
+    "decay": ("random", "none", "total", "split"),          # split: half the key channels total, half none
+    "values": ("random", "exact"),                          # exact: dyadic values, so products are exact
+}
+CALL_GRAMMAR = {"q0": ("dense", "half", "one_hot")}         # half / one_hot: zero on part of the value axis
+STRESS_FAMILY = "stress"
+FEW_ENTRIES = 4
+HOT = 7                                                     # the hot row / column
+SCALES = {"tiny": 2.0 ** -20, "huge_sv": 2.0 ** 12, "huge_u": 2.0 ** 5, "huge_q": 4.0, "huge_ubuf": 2.0 ** 5,
+          "huge_kbuf": 4.0, "hot": 2.0 ** 10, "split": 2.0 ** -20, "deep": 2.0 ** -32}
+TOTAL_DECAY_PCUM = -2000.0
+TOTAL_DECAY_GATE = 2.0 ** -24                               # fp16's smallest positive value: gbuf stays in (0, 1]
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2^exponent (integral fp64 in the normal range), built from its bits: exact on every device."""
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _dyadic(x: torch.Tensor) -> torch.Tensor:
+    """x on the grid k / 8: exact in fp16 and bf16 for |x| <= 32."""
+    return torch.round(x * 8.0) * 0.125
+
+
+def _stress_choices(d: _Draws, B, H, params: dict) -> tuple[dict, dict]:
+    """Option index of every grammar axis per program [B, H] and per call: drawn from the seed; when params name
+    programs, the first len(params["programs"]) programs (batch-major) as given and the others plain (the first
+    option of every axis); the call's axes named in params as given."""
+    programs = {a: d.integers((B, H), 0, len(opts) - 1).long() for a, opts in PROGRAM_GRAMMAR.items()}
+    call = {a: int(d.integers((), 0, len(opts) - 1)) for a, opts in CALL_GRAMMAR.items()}
+    unknown = set(params) - {"programs", "call"}
+    if unknown:
+        raise ValueError(f"unknown stress parameters {sorted(unknown)} (known: programs, call)")
+    named = params.get("programs", [])
+    if not isinstance(named, list) or len(named) > B * H:
+        raise ValueError(f"stress parameter 'programs' must be a list of at most {B * H} programs")
+    for grammar, chosen, given in [(PROGRAM_GRAMMAR, None, p) for p in named] + [(CALL_GRAMMAR, call,
+                                                                                  params.get("call", {}))]:
+        if not isinstance(given, dict) or set(given) - set(grammar):
+            raise ValueError(f"a stress choice must be an object with keys among {sorted(grammar)}, got {given!r}")
+        for axis, option in given.items():
+            if option not in grammar[axis]:
+                raise ValueError(f"stress axis {axis!r} has no option {option!r} (options: {grammar[axis]})")
+    if "programs" in params:
+        programs = {axis: torch.zeros_like(index) for axis, index in programs.items()}
+    for i, given in enumerate(named):
+        for axis in PROGRAM_GRAMMAR:        # an axis left out takes its plainest option
+            programs[axis].view(-1)[i] = PROGRAM_GRAMMAR[axis].index(given.get(axis, PROGRAM_GRAMMAR[axis][0]))
+    for axis, option in params.get("call", {}).items():
+        call[axis] = CALL_GRAMMAR[axis].index(option)
+    return programs, call
+
+
+def _stress(d: _Draws, B, H, V, K, L, R, params: dict) -> tuple[dict, dict, torch.Tensor]:
+    choices, call = _stress_choices(d, B, H, params)
+
+    def where(axis, option, t, value):
+        mask = choices[axis] == PROGRAM_GRAMMAR[axis].index(option)
+        return torch.where(mask.reshape(B, H, *(1,) * (t.dim() - 2)), value, t)
+
+    x = {**_random_checkpoint(d, B, H, V, K, R), **_random_window(d, B, H, V, K, L)}
+    directions = d.integers((B, H, 5, V), -8, 8) * 0.125     # the value-side basis of a rank-r state
+    q0 = _q0(d, V, R)
+    # dyadic values
+    scales_exact = {k: _pow2(torch.frexp(x[k])[1].double() - 1.0) for k in ("s_k", "s_v")}
+    exact = {**scales_exact, **{k: _dyadic(x[k]) for k in ("u", "q", "kbuf", "ubuf")},
+             "w": torch.where(x["w"] > 0.5, 1.0, 0.5), "gbuf": torch.where(x["gbuf"] > 0.75, 1.0, 0.5),
+             "pcum": torch.zeros_like(x["pcum"])}
+    x = {k: where("values", "exact", v, exact[k]) if k in exact else v for k, v in x.items()}
+    # q0 zero on part of the value axis; `free` marks the coordinates where q0 is zero
+    v_index = torch.arange(V, device=d.device)
+    q0_kind = CALL_GRAMMAR["q0"][call["q0"]]
+    if q0_kind == "half":
+        q0 = torch.where((v_index < V // 2)[:, None], q0, 0.0)
+    elif q0_kind == "one_hot":
+        q0 = (v_index[:, None] == torch.arange(R, device=d.device)[None, :]).double()
+    free = (q0 == 0).all(-1)
+    # scales of single rows and columns, before the value vectors are made orthogonal to q0
+    hot_v = torch.where(v_index == HOT, SCALES["hot"], 1.0)
+    k_index = torch.arange(K, device=d.device)
+    hot_k = torch.where(k_index == HOT, SCALES["hot"], 1.0)
+    split_k = torch.where(k_index >= K // 2, SCALES["split"], 1.0)
+    for option, name, factor in (("hot_row", "s_v", hot_v), ("hot_row", "q", hot_v), ("hot_row", "ubuf", hot_v),
+                                 ("hot_column", "s_k", hot_k), ("hot_column", "u", hot_k),
+                                 ("hot_column", "kbuf", hot_k), ("split", "s_k", split_k), ("split", "u", split_k),
+                                 ("split", "kbuf", split_k)):
+        x[name] = where("scale", option, x[name], x[name] * factor)
+    directions = where("scale", "hot_row", directions, directions * hot_v)
+    # value vectors orthogonal to q0: exactly where q0 has zero coordinates, else projected out in fp64 and rounded
+    # (to bf16 for the basis, whose values then are exact in fp16 too)
+    if free.any():
+        def orthogonal(t):
+            return t * free
+    else:
+        basis = _mgs2(q0)
+
+        def orthogonal(t):
+            return t - _ordered_matmul(_ordered_matmul(t, basis), basis.transpose(-1, -2))
+    flat = orthogonal(directions)
+    if not free.any():
+        flat = flat.to(torch.bfloat16).double()
+        flat = torch.where(flat.abs() < 2.0 ** -16, 0.0, flat)
+    directions = where("overlap", "orthogonal_q0", directions, flat)
+    for name in ("q", "ubuf"):
+        x[name] = where("overlap", "orthogonal_q0", x[name], orthogonal(x[name]))
+    # exact rank r: no codes, every value vector one of the first r directions (r = 5 needs the window's)
+    r_index = torch.arange(R, device=d.device)[:, None]
+    l_index = torch.arange(L, device=d.device)[:, None]
+    for r in range(6):
+        rows_q = directions[..., r_index[:, 0] % max(r, 1), :] if r else torch.zeros_like(x["q"])
+        rows_u = directions[..., l_index[:, 0] % max(r, 1), :] if r else torch.zeros_like(x["ubuf"])
+        x["q"] = where("rank", r, x["q"], rows_q)
+        x["ubuf"] = where("rank", r, x["ubuf"], rows_u)
+        x["codes"] = where("rank", r, x["codes"], 0.0)
+    # the old checkpoint's parts
+    for t in range(1, R):
+        x["q"] = where("tokens_rank", t, x["q"], torch.where(r_index < t, x["q"], 0.0))
+        x["u"] = where("tokens_rank", t, x["u"], torch.where(r_index < t, x["u"], 0.0))
+    for option in ("tokens", "zero"):
+        x["codes"] = where("checkpoint", option, x["codes"], 0.0)
+    for option in ("codes", "zero"):
+        x["q"] = where("checkpoint", option, x["q"], 0.0)
+        x["u"] = where("checkpoint", option, x["u"], 0.0)
+    for name in ("s_k", "s_v"):
+        x[name] = where("checkpoint", "zero", x[name], torch.full_like(x[name], EPS))
+    # decay
+    total = {"pcum": torch.full_like(x["pcum"], TOTAL_DECAY_PCUM), "gbuf": torch.full_like(x["gbuf"],
+                                                                                           TOTAL_DECAY_GATE)}
+    half = k_index >= K // 2
+    for name, none in (("gbuf", 1.0), ("pcum", 0.0)):
+        x[name] = where("decay", "none", x[name], none)
+        x[name] = where("decay", "total", x[name], total[name])
+        x[name] = where("decay", "split", x[name], torch.where(half, total[name], none))
+    # keys: one repeated, multiples of one by +-2^-m, or pairs that cancel (equal keys and weights, opposite values,
+    # no decay between them)
+    first = x["kbuf"][..., :1, :]
+    x["kbuf"] = where("keys", "repeated", x["kbuf"], first.expand_as(x["kbuf"]))
+    multiple = torch.where(l_index % 2 == 0, 1.0, -1.0) * _pow2(-(l_index % 3).double())
+    x["kbuf"] = where("keys", "collinear", x["kbuf"], first * multiple)
+    second = (l_index[:, 0] % 2 == 0) & (l_index[:, 0] > 0)     # pairs (1, 2), (3, 4), ...: entry 0 and the
+    pair = l_index[:, 0] - second.long()                         # last stay, so the window never sums to zero
+    cancel = {"kbuf": x["kbuf"][..., pair, :],
+              "ubuf": x["ubuf"][..., pair, :] * torch.where(second, -1.0, 1.0)[:, None],
+              "w": x["w"][..., pair], "gbuf": torch.where(second[:, None], 1.0, x["gbuf"])}
+    for name, value in cancel.items():
+        x[name] = where("keys", "cancel", x[name], value)
+    # live entries first; the others as the deployment form's reset leaves them (stale keys and values)
+    for option, live in (("few", FEW_ENTRIES), ("one", 1), ("empty", 0)):
+        dead = l_index[:, 0] >= live
+        x["w"] = where("window", option, x["w"], torch.where(dead, WINDOW_RESET["w"], x["w"]))
+        x["gbuf"] = where("window", option, x["gbuf"], torch.where(dead[:, None], WINDOW_RESET["gbuf"], x["gbuf"]))
+    # magnitudes of whole heads
+    for name, factor in (("s_v", "tiny"), ("u", "tiny"), ("ubuf", "tiny")):
+        x[name] = where("scale", "tiny", x[name], x[name] * SCALES[factor])
+    for name in ("s_v", "u", "q", "ubuf", "kbuf"):
+        key = "huge_sv" if name == "s_v" else f"huge_{name}"
+        x[name] = where("scale", "huge", x[name], x[name] * SCALES[key])
+    for name in ("s_v", "ubuf"):
+        x[name] = where("scale", "deep", x[name], x[name] * SCALES["deep"])
+    x["u"] = where("scale", "deep", x["u"], 0.0)
+    checkpoint = _cast({k: x[k] for k in CHECKPOINT})
+    return checkpoint, _cast({k: x[k] for k in WINDOW}), q0
+
+
+def make_inputs(family: str, axes: dict, seed: int, device="cpu", params: dict | None = None
+                ) -> dict[str, torch.Tensor]:
+    """The inputs of one workload: a pure function of (family, axes, seed, params) whose bits do not depend on
+    `device`. Only the stress family takes params: {"programs": [choices, ...], "call": choices}, each choices an
+    object of PROGRAM_GRAMMAR (CALL_GRAMMAR) axes and options; anything else raises ValueError."""
     B, H, V, K, L, R = _dims(axes)
     d = _Draws(seed, torch.device(device))
-    if family == "random":
+    if params and family != STRESS_FAMILY:
+        raise ValueError(f"family {family!r} takes no parameters")
+    if family == STRESS_FAMILY:
+        checkpoint, window, q0 = _stress(d, B, H, V, K, L, R, params or {})
+    elif family == "random":
         checkpoint = _cast(_random_checkpoint(d, B, H, V, K, R))
         window, q0 = _cast(_random_window(d, B, H, V, K, L)), _q0(d, V, R)
     elif family == "edge":
@@ -411,15 +596,26 @@ def head_errors(outputs, state: torch.Tensor) -> torch.Tensor:
     return _abs_error(outputs, state).mean((-2, -1))
 
 
+def _first_head(bad: torch.Tensor) -> tuple[int, int]:
+    """(batch, head) of the first head with a True element in bad [B, H, ...]."""
+    b, h = bad.flatten(2).any(-1).nonzero()[0].tolist()
+    return b, h
+
+
 def judge(inputs: dict, outputs, reference_outputs) -> Verdict:
-    """OPERATOR.md's criterion on the decoded state; outputs are in definition order, shapes and dtypes checked."""
+    """OPERATOR.md's criterion on the decoded state; outputs are in definition order, shapes and dtypes checked. A
+    failed verdict names the first failing head in its reason and the kind of failure in extra["failure"]."""
     names = ("codes_new", "s_k_new", "s_v_new", "u_new", "q_new")
     for name, t in zip(names, outputs):
         if t.is_floating_point() and not torch.isfinite(t).all():
-            return Verdict(False, f"non-finite values in {name}", None, math.inf, math.inf)
-    if (outputs[0] < -QMAX).any() or (outputs[0] > QMAX).any():
-        return Verdict(False, f"code {int(outputs[0].min())} out of range [-127, 127] in codes_new", None,
-                       math.inf, math.inf)
+            b, h = _first_head(~torch.isfinite(t))
+            return Verdict(False, f"non-finite values in {name} at (batch {b}, head {h})", None, math.inf, math.inf,
+                           {"failure": f"non-finite {name}"})
+    out_of_range = (outputs[0] < -QMAX) | (outputs[0] > QMAX)
+    if out_of_range.any():
+        b, h = _first_head(out_of_range)
+        return Verdict(False, f"code {int(outputs[0][b, h].min())} out of range [-127, 127] in codes_new at "
+                              f"(batch {b}, head {h})", None, math.inf, math.inf, {"failure": "code out of range"})
     state = exact_state(inputs)
     scale = state.abs().mean((-2, -1))
     abs_error = _abs_error(outputs, state)
@@ -438,11 +634,13 @@ def judge(inputs: dict, outputs, reference_outputs) -> Verdict:
     if worst is not None and worst > RATIO_LIMIT:
         b, h = divmod(int(ratio.argmax()), ratio.shape[1])
         verdict.passed, verdict.reason = False, f"worst-head ratio {worst:.4f} > {RATIO_LIMIT} at (batch {b}, head {h})"
+        verdict.extra["failure"] = "worst-head ratio"
     elif float(cap_use.max()) > 1.0:
         b, h = divmod(int(cap_use.argmax()), cap_use.shape[1])
         verdict.passed = False
         verdict.reason = (f"head (batch {b}, head {h}) error {float(err[b, h]):.3g} exceeds the cap "
                           f"{EXACT_CAP:g} x mean|S| = {float(EXACT_CAP * scale[b, h]):.3g}")
+        verdict.extra["failure"] = "over the cap"
     return verdict
 
 

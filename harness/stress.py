@@ -1,0 +1,234 @@
+"""python -m harness.stress --solution NAME [--examples N] [--seed S] [--device auto|cuda|cpu] [--batch-size B]
+[--record]: search the operator's grammar of degenerate inputs for inputs that a solution gets wrong.
+
+Each example is one call (B sequences x the definition's heads) whose programs are drawn from the operator's
+PROGRAM_GRAMMAR (one option of every named axis per program; programs past the drawn list take the plainest option
+of every axis) and CALL_GRAMMAR, with a seed for the values. The solution runs in its sandboxed worker and is judged
+as `harness.run` judges it (same loader, runner, timeouts and judge). Hypothesis drives the search: it shrinks a
+failing example towards the fewest programs off their plainest options (it may leave plain programs before
+the one that fails: they are the same as the programs past the list), keeps failing examples in
+.hypothesis/ and tries them first next time. Each distinct failure is printed as one line and written as a
+reproducer workload that `python -m harness.run --solution NAME --workloads FILE` replays. Exits 1 on any failure,
+2 on bad input. --record writes the outcome to <traces>/<definition>/stress_<NAME>.json for the leaderboard."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import hypothesis
+from hypothesis import HealthCheck, Verbosity, given, settings, strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from harness import HarnessError, traces
+from harness.definition import Definition, find_definition
+from harness.ops import load_op
+from harness.run import DEFAULT_DEFINITION, resolve_device
+from harness.runner import COMPILE_ERROR, PASSED, Worker, judge_call, program_layout
+from harness.solutions import load_solution
+from harness.workloads import generate_tensors, save_workloads, write_workload
+
+DEFAULT_EXAMPLES = 100
+FAILURES = Path("stress_failures")
+DATABASE = Path(".hypothesis") / "stress"
+
+
+class Failure(Exception):
+    """One failing example: the choices that made it and what the judge said."""
+
+    def __init__(self, example: dict, status: str, log: str, worst_head_ratio: float | None):
+        super().__init__(f"{status}: {log}")
+        self.example, self.status, self.log, self.worst_head_ratio = example, status, log, worst_head_ratio
+
+
+_FAILURE_KINDS: dict[str, type] = {}
+
+
+def failure_kind(kind: str) -> type:
+    """A Failure subclass per kind of failure: Hypothesis keeps (and shrinks) one example per distinct exception
+    type, so each kind is reported with its own smallest example."""
+    if kind not in _FAILURE_KINDS:
+        _FAILURE_KINDS[kind] = type(f"Failure[{kind}]", (Failure,), {})
+    return _FAILURE_KINDS[kind]
+
+
+def examples(op, n_programs: int):
+    """Strategy of examples {"programs": [choices, ...], "call": choices, "seed": int}; the first option of each
+    axis is its plainest, which is what Hypothesis shrinks towards."""
+    program = st.fixed_dictionaries({axis: st.sampled_from(options) for axis, options in op.PROGRAM_GRAMMAR.items()})
+    call = st.fixed_dictionaries({axis: st.sampled_from(options) for axis, options in op.CALL_GRAMMAR.items()})
+    return st.fixed_dictionaries({"programs": st.lists(program, min_size=1, max_size=n_programs), "call": call,
+                                  "seed": st.integers(0, 2 ** 32 - 1)})
+
+
+def params_of(op, example: dict) -> dict:
+    """The family params of an example, each program naming only the axes off their plainest option."""
+    def named(choices, grammar):
+        return {axis: option for axis, option in choices.items() if option != grammar[axis][0]}
+    return {"programs": [named(p, op.PROGRAM_GRAMMAR) for p in example["programs"]],
+            "call": named(example["call"], op.CALL_GRAMMAR)}
+
+
+def describe(op, example: dict) -> str:
+    """One line: the programs off plain (by index; the others are plain), the call's choices, the seed."""
+    params = params_of(op, example)
+    programs = "; ".join(f"program {i}: " + " ".join(f"{a}={o}" for a, o in p.items())
+                         for i, p in enumerate(params["programs"]) if p) or "every program plain"
+    call = " ".join(f"{a}={o}" for a, o in params["call"].items()) or "plain"
+    return f"{programs} | call: {call} | seed {example['seed']}"
+
+
+class Search:
+    """The search over one solution: its worker, the examples tried and the distinct failures found."""
+
+    def __init__(self, defn: Definition, solution: str, device: str, batch_size: int, timeout_s: float,
+                 solutions_root: str | Path = "solutions"):
+        self.defn, self.device = defn, device
+        self.op = load_op(defn.op_type)
+        if not hasattr(self.op, "STRESS_FAMILY"):
+            raise HarnessError(f"operator {defn.op_type!r} defines no stress grammar")
+        self.sol = load_solution(solution, defn, solutions_root)
+        self.var_axes = {"batch_size": batch_size}
+        _, n_prefix = program_layout(defn)
+        out = next(iter(defn.outputs.values()))
+        axes = defn.resolve_axes(self.var_axes)
+        self.n_programs = 1
+        for a in out.shape[:n_prefix]:
+            self.n_programs *= axes[a]
+        self.worker = Worker(self.sol, defn, device, timeout_s, hide=[Path.cwd()])
+        self.calls = 0
+
+    def inputs(self, example: dict) -> dict:
+        return generate_tensors(self.defn, self.op.STRESS_FAMILY, self.var_axes, example["seed"], self.device,
+                                params_of(self.op, example))
+
+    def check(self, example: dict) -> None:
+        """Judge the solution on one example; raise the Failure of its kind when it is not PASSED."""
+        self.calls += 1
+        status, log, verdict = judge_call(self.defn, self.op, self.worker, self.inputs(example), self.var_axes)
+        self.worker.fatal = None                # a timed-out or dead worker is restarted for the next example
+        if status != PASSED:
+            kind = (verdict.extra.get("failure") if verdict is not None else None) or status
+            raise failure_kind(kind)(example, status, log, verdict.worst_head_ratio if verdict else None)
+
+    def run(self, n_examples: int, seed: int | None, database: Path | None) -> list[Failure]:
+        """Search n_examples examples (from `seed`, or Hypothesis's own randomness after replaying the failures kept
+        in `database`); the distinct failures, each shrunk."""
+        self.worker.start()
+        if self.worker.load_error:              # not a search failure: nothing to shrink
+            self.worker.close()
+            raise HarnessError(f"{self.sol.name}: {COMPILE_ERROR}: {self.worker.load_error}")
+        configured = settings(max_examples=n_examples, deadline=None, database=(
+            DirectoryBasedExampleDatabase(str(database)) if database else None), report_multiple_bugs=True,
+            suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, print_blob=False)
+        test = configured(given(examples(self.op, self.n_programs))(self.check))
+        if seed is not None:                    # Hypothesis neither replays nor keeps examples in a seeded run
+            test = hypothesis.seed(seed)(test)
+        try:
+            test()
+        except Exception as e:                  # noqa: BLE001 -- sorted below: failures, or the search's own error
+            failures = _failures(e)
+            if not failures:
+                raise HarnessError(f"the search stopped: {type(e).__name__}: {' '.join(str(e).split())[:300]}") \
+                    from None
+            return failures
+        finally:
+            self.worker.close()
+        return []
+
+    def reproducer(self, failure: Failure, folder: Path) -> Path:
+        """Write the failing example as a one-line workload file (and its blob) under folder; its path."""
+        params = params_of(self.op, failure.example)
+        digest = hashlib.sha256(json.dumps([params, failure.example["seed"]], sort_keys=True).encode()).hexdigest()
+        stem = f"{self.op.STRESS_FAMILY}_{digest[:12]}"
+        workload = write_workload(self.defn, self.op.STRESS_FAMILY, self.var_axes, failure.example["seed"],
+                                  str(folder / f"{stem}.safetensors"), params)
+        path = folder / f"{stem}.jsonl"
+        save_workloads(path, [workload])
+        return path
+
+
+def _failures(e: BaseException) -> list[Failure]:
+    """The Failures in what Hypothesis raised: one, or a group of distinct ones (nested groups flattened)."""
+    if isinstance(e, Failure):
+        return [e]
+    if isinstance(e, BaseExceptionGroup):
+        return [f for sub in e.exceptions for f in _failures(sub)]
+    return []
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m harness.stress", description=__doc__.split(":")[0])
+    p.add_argument("--solution", required=True, help="solution folder name under solutions/, or 'reference'")
+    p.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES,
+                   help="examples to try before shrinking (default: %(default)s)")
+    p.add_argument("--seed", type=int, help="the search's seed, to repeat a search exactly (default: random, after "
+                                            "replaying the failures that earlier searches kept in .hypothesis/)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per example (default: %(default)s)")
+    p.add_argument("--definition", default=DEFAULT_DEFINITION, help="definition name (default: %(default)s)")
+    p.add_argument("--solutions", default="solutions", metavar="DIR",
+                   help="the folder holding the solution folders (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per call before TIMEOUT (default: 300)")
+    p.add_argument("--out", default=str(FAILURES), help="folder of the reproducers, one sub-folder per solution "
+                                                        "(default: %(default)s)")
+    p.add_argument("--no-database", action="store_true",
+                   help="neither replay nor keep failing examples in .hypothesis/")
+    p.add_argument("--record", action="store_true",
+                   help="write the outcome to <traces>/<definition>/stress_<NAME>.json (read by harness.report)")
+    p.add_argument("--traces", default=str(traces.TRACES), help="root of --record's file (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.examples < 1 or args.batch_size < 1:
+        p.error("--examples and --batch-size must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+        defn = find_definition(args.definition)
+        search = Search(defn, args.solution, device, args.batch_size, args.timeout, args.solutions)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = search.sol.name
+    print(f"{name}: searching {args.examples} examples of {search.n_programs} programs (batch_size="
+          f"{args.batch_size}) on {device}, " + (f"seed {args.seed}" if args.seed is not None else "random seed"),
+          flush=True)
+    database = None if args.no_database or args.seed is not None else DATABASE / defn.name / name
+    started = time.perf_counter()
+    try:
+        failures = search.run(args.examples, args.seed, database)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - started
+    rows = []
+    for f in failures:
+        path = search.reproducer(f, Path(args.out) / name)
+        print(f"FAILED {f.status}: {' '.join(f.log.split())[:200]} | {describe(search.op, f.example)} | "
+              f"replay: python -m harness.run --solution {name} --workloads {path}", flush=True)
+        rows.append({"status": f.status, "log": f.log, "worst_head_ratio": f.worst_head_ratio,
+                     "params": params_of(search.op, f.example), "seed": f.example["seed"], "reproducer": str(path)})
+    print(f"{name}: {len(failures)} distinct failure(s) in {search.calls} calls ({args.examples} examples and "
+          f"shrinking), {seconds:.0f} s", flush=True)
+    if args.record:
+        record = {"definition": defn.name, "solution": name, "solution_sha256": search.worker.sha256,
+                  "environment": traces.environment(device), "examples": args.examples, "calls": search.calls,
+                  "batch_size": args.batch_size, "seed": args.seed, "hypothesis": hypothesis.__version__,
+                  "seconds": round(seconds, 1), "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "failures": rows}
+        path = Path(args.traces) / defn.name / f"stress_{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""harness.stress: the search finds planted kernels' failures on CPU, shrinks them to one degenerate program and
+writes reproducers that harness.run replays; a correct solution searches clean."""
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import DEFINITION, make_solution
+from harness import run, stress
+
+UNCLAMPED = "v.norm(dim=-1, keepdim=True).clamp_min(1e-30)"
+
+
+def _planted_reference(defn, old: str, new: str) -> str:
+    assert old in defn.reference
+    return defn.reference.replace(old, new)
+
+
+def _search(tmp_path, name, *extra):
+    return stress.main(["--solution", name, "--solutions", str(tmp_path / "solutions"), "--device", "cpu",
+                        "--out", str(tmp_path / "failures"), "--no-database", *extra])
+
+
+def _reproducers(tmp_path, name):
+    return sorted((tmp_path / "failures" / name).glob("*.jsonl"))
+
+
+def test_unclamped_norm_found_shrunk_and_replayed(defn, tmp_path, capsys, monkeypatch):
+    """The reference with its Gram-Schmidt dividing by an unclamped norm: NaN on any head whose projection is
+    exactly zero. The default example count finds it; the failure names one program off plain."""
+    make_solution(tmp_path / "solutions", "unclamped", _planted_reference(defn, UNCLAMPED, "v.norm(dim=-1, "
+                                                                                            "keepdim=True)"),
+                  copy_flush=False)
+    assert _search(tmp_path, "unclamped", "--seed", "7") == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAILED")]
+    assert len(lines) == 1 and "non-finite values in" in lines[0]
+    described = lines[0].split(" | ")[1]
+    assert described.count("program ") == 1, described          # one degenerate program, every other plain
+    [path] = _reproducers(tmp_path, "unclamped")
+    assert f"--workloads {path}" in lines[0]
+    line = json.loads(path.read_text())
+    assert line["workload"]["family"] == "stress" and sum(bool(p) for p in line["workload"]["params"]["programs"]) == 1
+    # replayed by harness.run: the planted kernel fails it, the reference's own code passes it
+    monkeypatch.chdir(tmp_path)
+    make_solution(tmp_path / "solutions", "exact", defn.reference, copy_flush=False)
+    Path("definitions").symlink_to(Path(__file__).resolve().parents[1] / "definitions")
+    for name, code in (("unclamped", 1), ("exact", 0)):
+        assert run.main(["--solution", name, "--workloads", str(path), "--device", "cpu"]) == code
+
+
+def test_crash_on_a_kind_of_head_is_a_failure_of_its_own(defn, tmp_path, capsys):
+    """A solution that raises on an empty checkpoint (scales at the clamp): RUNTIME_ERROR, shrunk to the choice
+    that makes one."""
+    code = ("from flush import run as flush\n\n"
+            "def run(codes, s_k, *rest):\n"
+            "    if (s_k.amax(-1) < 1e-6).any():\n"
+            "        raise ValueError('empty checkpoint')\n"
+            "    return flush(codes, s_k, *rest)\n")
+    make_solution(tmp_path / "solutions", "crashes", code)
+    assert _search(tmp_path, "crashes", "--seed", "3", "--examples", "30") == 1
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("FAILED")]
+    assert line.startswith("FAILED RUNTIME_ERROR: ValueError: empty checkpoint") and "checkpoint=zero" in line
+
+
+def test_correct_solution_searches_clean_and_records(defn, tmp_path, capsys):
+    make_solution(tmp_path / "solutions", "exact", defn.reference, copy_flush=False)
+    assert _search(tmp_path, "exact", "--seed", "5", "--examples", "15", "--record",
+                   "--traces", str(tmp_path / "traces")) == 0
+    assert "0 distinct failure(s)" in capsys.readouterr().out
+    record = json.loads((tmp_path / "traces" / DEFINITION / "stress_exact.json").read_text())
+    assert record["failures"] == [] and record["examples"] == 15 and record["calls"] >= 15
+    assert not _reproducers(tmp_path, "exact")
+
+
+@pytest.mark.parametrize("case", ["unknown solution", "import error", "bad count"])
+def test_bad_input_is_one_line(defn, tmp_path, capsys, case):
+    if case == "import error":
+        make_solution(tmp_path / "solutions", "broken", "import no_such_module\n", copy_flush=False)
+    args = {"unknown solution": ["--solution", "nope"], "import error": ["--solution", "broken"],
+            "bad count": ["--solution", "broken", "--examples", "0"]}[case]
+    with pytest.raises(SystemExit) if case == "bad count" else contextlib.nullcontext():
+        code = stress.main([*args, "--solutions", str(tmp_path / "solutions"), "--device", "cpu", "--no-database"])
+        assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 or case == "bad count", err
+    if case == "import error":
+        assert "COMPILE_ERROR" in err[0] and "no_such_module" in err[0]
