@@ -269,23 +269,39 @@ def plot(series: dict, path: Path = PLOT) -> None:
     plt.close(fig)
 
 
+def has_gpu_rows(text: str) -> bool:
+    return "### Per batch size" in text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 if LEADERBOARD.md is stale; write nothing")
-    p.add_argument("--traces", default=str(TRACES))
+    p.add_argument("--traces", default=str(TRACES), help="the traces to read (default: %(default)s)")
+    p.add_argument("--out", metavar="DIR", help="where LEADERBOARD.md and its plot go (default: the repository "
+                                                "root for the default traces, else the traces folder itself)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a leaderboard that has GPU results with one that has none")
     args = p.parse_args(argv)
-    text, series = leaderboard(Path(args.traces))
+    traces_root = Path(args.traces)
+    out = Path(args.out) if args.out else Path(".") if traces_root.resolve() == TRACES.resolve() else traces_root
+    board, picture = out / LEADERBOARD.name, out / PLOT.name
+    text, series = leaderboard(traces_root)
     if args.check:
-        current = LEADERBOARD.read_text() if LEADERBOARD.exists() else ""
+        current = board.read_text() if board.exists() else ""
         if current != text:
-            print("LEADERBOARD.md is stale: run `python -m harness.report` and commit it", file=sys.stderr)
+            print(f"{board} is stale: run `python -m harness.report` and commit it", file=sys.stderr)
             return 1
-        print("LEADERBOARD.md is up to date")
+        print(f"{board} is up to date")
         return 0
-    LEADERBOARD.write_text(text)
+    if board.exists() and has_gpu_rows(board.read_text()) and not has_gpu_rows(text) and not args.force:
+        print(f"error: {board} has GPU results and the traces in {traces_root} have none: not replaced "
+              "(--out elsewhere, or --force)", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    board.write_text(text)
     if series:
-        plot(series)
-    print(f"wrote {LEADERBOARD}" + (f" and {PLOT}" if series else ""))
+        plot(series, picture)
+    print(f"wrote {board}" + (f" and {picture}" if series else ""))
     return 0
 
 

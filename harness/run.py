@@ -17,8 +17,8 @@ from tabulate import tabulate
 
 from harness import HarnessError, sandbox, timing, traces
 from harness.definition import find_definition
-from harness.runner import PASSED, Calibration, Result, evaluate
-from harness.solutions import REFERENCE, discover, load_solution
+from harness.runner import COMPILE_ERROR, PASSED, Calibration, Result, evaluate
+from harness.solutions import REFERENCE, SolutionError, discover, load_solution
 from harness.workloads import load_workloads, make_workload, select
 
 DEFAULT_DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
@@ -74,9 +74,15 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
-def table(results: list[Result]) -> str:
-    rows = []
+def table(results: list[Result], unloadable: list[tuple[str, str]] = ()) -> str:
+    """One row per result; a solution that did not load (a folder that does not parse, or an entry point that does
+    not import) is one row, not one per workload."""
+    rows = [[name, "-", "all", COMPILE_ERROR, "-", "-", "-", "-", log[:90]] for name, log in unloadable]
     for r in results:
+        if r.status == COMPILE_ERROR and _failed_to_load(r.solution, results):
+            if not any(row[0] == r.solution for row in rows):
+                rows.append([r.solution, "-", "all", COMPILE_ERROR, "-", "-", "-", "-", r.log[:90]])
+            continue
         v = r.verdict
         rows.append([r.solution, r.workload.axes.get("batch_size"), r.workload.family, r.status,
                      f"{v.worst_head_ratio:.4f}" if v and v.worst_head_ratio is not None else "-",
@@ -88,11 +94,21 @@ def table(results: list[Result]) -> str:
                                    "x floor", "log"], disable_numparse=True)
 
 
+def _failed_to_load(solution: str, results: list[Result]) -> bool:
+    mine = [r for r in results if r.solution == solution]
+    return bool(mine) and all(r.status == COMPILE_ERROR for r in mine)
+
+
 def _progress(total: int):
     done = [0]
+    said = set()
 
     def report(r: Result) -> None:
         done[0] += 1
+        if r.status == COMPILE_ERROR:       # the same load error for every workload: said once
+            if r.solution in said:
+                return
+            said.add(r.solution)
         ratio = r.verdict.worst_head_ratio if r.verdict else None
         print(f"  [{r.solution} {done[0]}/{total}] {r.workload.label}: {r.status}"
               + (f" ratio {ratio:.4f}" if ratio is not None else "")
@@ -107,8 +123,14 @@ def main(argv=None) -> int:
     try:
         device = resolve_device(args.device)
         defn = find_definition(args.definition)
-        names = args.solutions or discover(defn)
-        solutions = [load_solution(n, defn) for n in names]
+        solutions, unloadable = [], []
+        for name in args.solutions or discover(defn):
+            try:
+                solutions.append(load_solution(name, defn))
+            except SolutionError as e:
+                if args.solutions:          # named on the command line: bad input
+                    raise
+                unloadable.append((name, str(e)))   # found in solutions/: one status line, the others still run
         batch_sizes = args.batch_sizes or (CPU_BATCH_SIZES if device == "cpu" and not args.workloads else None)
         workloads = select(load_workloads(defn, args.workloads), batch_sizes, args.families)
         fresh = tempfile.TemporaryDirectory(prefix="harness_seed_") if args.seed is not None else None
@@ -166,9 +188,11 @@ def main(argv=None) -> int:
         results += done
     if calibration is not None:
         calibration.close()
+    for name, log in unloadable:
+        print(f"{name}: {COMPILE_ERROR}: {log}", flush=True)
     print()
-    print(table(results))
-    return 0 if all(r.status == PASSED for r in results) else 1
+    print(table(results, unloadable))
+    return 0 if all(r.status == PASSED for r in results) and not unloadable else 1
 
 
 if __name__ == "__main__":

@@ -184,7 +184,13 @@ def load_entry(sol: Solution, defn: Definition) -> Callable[..., tuple[torch.Ten
         dps = sol.destination_passing_style
     if not dps:
         def call(inputs: dict, axes: dict, fill: bool = True):
-            out = fn(*inputs.values())
+            try:
+                out = fn(*inputs.values())
+            except TypeError as e:
+                if f"missing {len(defn.outputs)} required positional argument" in str(e):
+                    raise TypeError(f"{e}: it takes the outputs too, so it writes them: set "
+                                    "\"destination_passing_style\": true in solution.json") from None
+                raise
             return tuple(out) if isinstance(out, (tuple, list)) else (out,)
         return call
 
@@ -195,6 +201,12 @@ def load_entry(sol: Solution, defn: Definition) -> Callable[..., tuple[torch.Ten
         if fill:            # NaN (the type's minimum for integers): an output left unwritten cannot pass
             for t in outs:
                 t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min)
-        fn(*inputs.values(), *outs)
+        try:
+            fn(*inputs.values(), *outs)
+        except TypeError as e:
+            if f"{len(inputs) + len(outs)} were given" in str(e):
+                raise TypeError(f"{e}: it takes the {len(inputs)} inputs only, so it returns its outputs: set "
+                                "\"destination_passing_style\": false in solution.json") from None
+            raise
         return outs
     return call_dps

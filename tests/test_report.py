@@ -128,3 +128,21 @@ def test_records_loaded_by_kind(tmp_path):
     (tmp_path / "d" / "stress_fast.json").write_text(json.dumps(_stress([])))
     assert [r["examples"] for r in report.load_records("stress", tmp_path)] == [300]
     assert report.load_all(tmp_path) == []
+
+
+def test_other_traces_never_overwrite_the_committed_leaderboard(tmp_path, capsys):
+    """--traces DIR writes beside those traces (or to --out); a board with GPU rows is not replaced by one without
+    them unless --force."""
+    committed = Path("LEADERBOARD.md").read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report.main(["--traces", str(empty)]) == 0
+    assert Path("LEADERBOARD.md").read_text() == committed
+    assert "No timed traces yet" in (empty / "LEADERBOARD.md").read_text()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "LEADERBOARD.md").write_text(committed)
+    assert report.main(["--traces", str(empty), "--out", str(out)]) == 2
+    assert "has GPU results" in capsys.readouterr().err and (out / "LEADERBOARD.md").read_text() == committed
+    assert report.main(["--traces", str(empty), "--out", str(out), "--force"]) == 0
+    assert "No timed traces yet" in (out / "LEADERBOARD.md").read_text()

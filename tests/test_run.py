@@ -94,3 +94,44 @@ def test_seed_judges_fresh_inputs_and_leaves_the_workloads_alone(tmp_path, monke
     assert fresh.seed != original.seed and fresh.sha256 != original.sha256
     assert workloads_path(defn).read_bytes() == committed
     assert not any(tmp_path.iterdir())                                       # fresh inputs write no traces
+
+
+def test_a_broken_folder_is_one_status_line_and_the_others_run(tmp_path, monkeypatch, capsys):
+    """A solution.json that does not parse and an entry point that does not import: one COMPILE_ERROR line each,
+    the other solutions judged, exit 1; named alone on the command line, the folder is bad input (exit 2)."""
+    from conftest import make_solution
+    root = tmp_path / "solutions"
+    make_solution(root, "fine", "from flush import run as flush\n\ndef run(*x):\n    return flush(*x)\n")
+    make_solution(root, "no_import", "import no_such_module\n")
+    (root / "half_written").mkdir()
+    (root / "half_written" / "solution.json").write_text('{"name": "half_written", "definition": ')
+    monkeypatch.setattr(run, "discover", lambda d: discover(d, root))
+    monkeypatch.setattr(run, "load_solution", lambda n, d: load_solution(n, d, root))
+    code = run.main(["--device", "cpu", "--batch-sizes", "1", "--families", "edge,random", "--no-traces"])
+    out = capsys.readouterr().out
+    assert code == 1
+    rows = [line.split() for line in out.splitlines() if line.startswith(("fine ", "no_import ", "half_written "))]
+    statuses = {(r[0], r[3]) for r in rows}
+    assert statuses == {("fine", "PASSED"), ("no_import", "COMPILE_ERROR"), ("half_written", "COMPILE_ERROR")}
+    assert sum(r[0] == "no_import" for r in rows) == 1 and sum(r[0] == "fine" for r in rows) == 2
+    assert out.count("No module named 'no_such_module'") == 2      # its progress line and its table row
+    assert "not valid JSON" in out and "Traceback" not in out
+    assert run.main(["--solution", "half_written", "--device", "cpu", "--no-traces"]) == 2
+
+
+@pytest.mark.parametrize("dps", [True, False])
+def test_wrong_calling_style_says_which_to_set(tmp_path, monkeypatch, capsys, dps):
+    from conftest import make_solution
+    root = tmp_path / "solutions"
+    code = ("from flush import run as flush\n\ndef run(*x):\n    return flush(*x)\n" if dps else
+            "def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0, codes_new, s_k_new, s_v_new, u_new, "
+            "q_new):\n    pass\n")
+    if dps:     # a function returning its outputs, declared destination-passing
+        code = code.replace("def run(*x):", "def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0):")
+        code = code.replace("flush(*x)", "flush(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0)")
+    make_solution(root, "style", code, dps=dps)
+    monkeypatch.setattr(run, "load_solution", lambda n, d: load_solution(n, d, root))
+    assert run.main(["--solution", "style", "--device", "cpu", "--batch-sizes", "1", "--families", "edge",
+                     "--no-traces"]) == 1
+    expected = f'set "destination_passing_style": {"false" if dps else "true"}'
+    assert expected in capsys.readouterr().out
