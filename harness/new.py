@@ -1,0 +1,102 @@
+"""python -m harness.new NAME --language python|triton|cuda [--author WHO] [--definition NAME]: write a new solution
+folder, solutions/NAME/, that passes as it stands: the definition's reference math in the language's simplest form
+(python: the reference itself; triton and cuda: the state's rebuild as a kernel and the rest in torch, from the
+operator's templates in harness/ops/templates/<op_type>/<language>/), its solution.json and a NOTES.md to fill in.
+Then `python -m harness.run --solution NAME`. Exits 2 on bad input (an existing folder, a bad name, no template)."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from harness import HarnessError
+from harness.definition import Definition, find_definition
+from harness.run import DEFAULT_DEFINITION
+from harness.solutions import LANGUAGES, load_solution
+
+TEMPLATES = Path(__file__).resolve().parent / "ops" / "templates"
+ENTRY_FILES = {"python": "flush.py", "triton": "kernel.py", "cuda": "main.py"}
+HARDWARE = {"python": ["CPU", "NVIDIA_H200"], "triton": ["NVIDIA_H200"], "cuda": ["NVIDIA_H200"]}
+DEPENDENCIES = {"python": ["torch >= 2.11"], "triton": ["torch >= 2.11", "triton >= 3.6"],
+                "cuda": ["torch >= 2.11", "ninja"]}
+NOTES = """# {name}: notes
+
+## Status
+A new {language} solution written by `python -m harness.new`: the reference's math, correct and not yet fast.
+Replace this paragraph with the current version's time and ratio to the memory floor (from LEADERBOARD.md) and its
+correctness state (`python -m harness.run --solution {name}`, `python -m harness.stress --solution {name}`).
+
+## Design
+{design}
+
+## Versions
+| version | commit | B = 64 | B = 256 | B = 512 | x floor at 64 / 512 | what changed | predicted | measured |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| 1 | | | | | | the skeleton | | |
+
+## Measured and not kept
+Nothing yet.
+"""
+DESIGN = {"python": "The definition's reference code as it stands (`flush.py`).",
+          "triton": "One Triton program per (sequence, head) rebuilds the fp32 state (`kernel.py`); the subspace "
+                    "iteration and the requantisation follow the reference in torch.",
+          "cuda": "One CUDA block per (sequence, head) rebuilds the fp32 state (`rebuild.cu`, pure CUDA, bound to "
+                  "torch in `binding.cpp`, built by `main.py` on the first call on a GPU); the subspace iteration "
+                  "and the requantisation follow the reference in torch."}
+
+
+def write_solution(defn: Definition, name: str, language: str, author: str,
+                   root: str | Path = "solutions") -> Path:
+    """Write solutions/<name>/ for `language` and return the folder."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name == "reference":
+        raise HarnessError(f"{name!r} is not a solution name: lower case letters, digits and _, not 'reference'")
+    if language not in LANGUAGES:
+        raise HarnessError(f"unknown language {language!r} (one of {', '.join(LANGUAGES)})")
+    folder = Path(root) / name
+    if folder.exists():
+        raise HarnessError(f"{folder} exists already")
+    if language == "python":
+        files = {"flush.py": f'"""{name}: the definition\'s reference, as a starting point."""\n' + defn.reference}
+    else:
+        templates = TEMPLATES / defn.op_type / language
+        if not templates.is_dir():
+            raise HarnessError(f"no {language} template for op_type {defn.op_type!r} ({templates})")
+        files = {p.name: p.read_text().replace("{name}", name) for p in sorted(templates.iterdir()) if p.is_file()}
+    entry = ENTRY_FILES[language]
+    folder.mkdir(parents=True)
+    for path, text in files.items():
+        (folder / path).write_text(text)
+    sources = [entry] + sorted(p for p in files if p != entry)
+    (folder / "solution.json").write_text(json.dumps({
+        "name": name, "definition": defn.name, "author": author,
+        "description": f"{language}: the reference's math in its simplest form (a starting point)",
+        "spec": {"language": language, "target_hardware": HARDWARE[language], "entry_point": f"{entry}::run",
+                 "destination_passing_style": False, "dependencies": DEPENDENCIES[language]},
+        "sources": [{"path": p} for p in sources]}, indent=2) + "\n")
+    (folder / "NOTES.md").write_text(NOTES.format(name=name, language=language, design=DESIGN[language]))
+    load_solution(name, defn, root)     # what was written parses
+    return folder
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.new", description=__doc__.split(":")[0])
+    p.add_argument("name", help="the solution's name, also its folder's")
+    p.add_argument("--language", choices=LANGUAGES, required=True)
+    p.add_argument("--author", default="leapquant-kda-flush-bench", help="solution.json's author")
+    p.add_argument("--definition", default=DEFAULT_DEFINITION, help="definition name (default: %(default)s)")
+    p.add_argument("--solutions", default="solutions", metavar="DIR", help="where the folder goes")
+    args = p.parse_args(argv)
+    try:
+        folder = write_solution(find_definition(args.definition), args.name, args.language, args.author,
+                                args.solutions)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {folder}: run `python -m harness.run --solution {args.name}`")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
