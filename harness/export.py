@@ -1,9 +1,12 @@
-"""python -m harness.export DIR: write this repository as a FlashInfer-bench dataset under DIR.
+"""python -m harness.export DIR [--no-blobs] [--batch-sizes 1,64]: write this repository as a self-contained
+FlashInfer-bench dataset under DIR.
 
-DIR/definitions/<op_type>/<definition>.json, DIR/workloads/<op_type>/<definition>.jsonl (the workload lines as
-they are; their safetensors paths stay relative to this repository, where the blobs are generated on demand),
-DIR/solutions/<op_type>/<definition>/<solution>.json (sources inlined) and DIR/traces/<op_type>/<definition>.jsonl
-(every solution's traces)."""
+DIR/definitions/<op_type>/<definition>.json, DIR/workloads/<op_type>/<definition>.jsonl (the workload lines) with
+their safetensors blobs at the same relative paths, DIR/workloads/blob/... (generated from their seeds where this
+checkout has not made them yet, and checked against their recorded hashes; --no-blobs leaves them out),
+DIR/solutions/<op_type>/<definition>/<solution>.json (sources inlined; the definition's reference among them, so
+that every trace names a solution of the dataset) and DIR/traces/<op_type>/<definition>.jsonl (every solution's
+traces of the exported workloads). --batch-sizes exports only those workloads and their traces."""
 from __future__ import annotations
 
 import argparse
@@ -12,34 +15,51 @@ import shutil
 import sys
 from pathlib import Path
 
+from safetensors.torch import save_file
+
 from harness import HarnessError
-from harness.definition import load_definition
-from harness.solutions import discover, load_solution
+from harness.definition import PINS, load_definition
+from harness.run import _csv
+from harness.solutions import REFERENCE, discover, load_solution
 from harness.traces import TRACES, load_traces
-from harness.workloads import workloads_path
+from harness.workloads import load_inputs, load_workloads, save_workloads, select, workloads_path
 
 
-def export(out: Path, root: Path = Path(".")) -> dict[str, int]:
-    counts = {"definitions": 0, "workloads": 0, "solutions": 0, "traces": 0}
+def export(out: Path, root: Path = Path("."), blobs: bool = True, batch_sizes=None) -> dict[str, int]:
+    counts = {"definitions": 0, "workloads": 0, "blobs": 0, "solutions": 0, "traces": 0}
     for def_path in sorted((root / "definitions").rglob("*.json")):
-        defn = load_definition(def_path)
+        defn = load_definition(def_path, root / "definitions" / PINS)
         sub = Path(defn.op_type)
         (out / "definitions" / sub).mkdir(parents=True, exist_ok=True)
         shutil.copy(def_path, out / "definitions" / sub / f"{defn.name}.json")
         counts["definitions"] += 1
-        wl = workloads_path(defn, root)
-        if wl.exists():
-            (out / "workloads" / sub).mkdir(parents=True, exist_ok=True)
-            shutil.copy(wl, out / "workloads" / sub / wl.name)
-            counts["workloads"] += sum(1 for line in wl.read_text().splitlines() if line.strip())
+        uuids = None
+        if workloads_path(defn, root).exists():
+            workloads = select(load_workloads(defn, workloads_path(defn, root)), batch_sizes)
+            uuids = {w.uuid for w in workloads}
+            save_workloads(out / "workloads" / sub / workloads_path(defn, root).name, workloads)
+            counts["workloads"] += len(workloads)
+            for w in workloads if blobs else ():
+                tensors = load_inputs(defn, w, root=root)          # made and checked against its hash if need be
+                (out / w.blob).parent.mkdir(parents=True, exist_ok=True)
+                save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / w.blob))
+                counts["blobs"] += 1
         lines = []
         for name in discover(defn, root / "solutions"):
             sol = load_solution(name, defn, root / "solutions")
-            lines += load_traces(defn.name, name, root / TRACES)
+            lines += [t for t in load_traces(defn.name, name, root / TRACES)
+                      if uuids is None or t["workload"]["uuid"] in uuids]
             if sol.is_reference:
-                continue
-            raw = dict(sol.raw, sources=[{"path": p, "content": (sol.folder / p).read_text()} for p in sol.sources])
-            raw["spec"] = dict(raw["spec"], destination_passing_style=sol.destination_passing_style)
+                raw = {"name": REFERENCE, "definition": defn.name, "author": "definition",
+                       "description": "the definition's reference code",
+                       "spec": {"language": "python", "target_hardware": ["CPU", "NVIDIA_H200"],
+                                "entry_point": "reference.py::run", "destination_passing_style": False,
+                                "dependencies": ["torch"]},
+                       "sources": [{"path": "reference.py", "content": defn.reference}]}
+            else:
+                raw = dict(sol.raw, sources=[{"path": p, "content": (sol.folder / p).read_text()}
+                                             for p in sol.sources])
+                raw["spec"] = dict(raw["spec"], destination_passing_style=sol.destination_passing_style)
             dest = out / "solutions" / sub / defn.name / f"{name}.json"
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(json.dumps(raw, indent=2))
@@ -54,9 +74,11 @@ def export(out: Path, root: Path = Path(".")) -> dict[str, int]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.export", description=__doc__.splitlines()[0])
     p.add_argument("dir", type=Path)
+    p.add_argument("--no-blobs", action="store_true", help="leave the workloads' tensors out (several GB in all)")
+    p.add_argument("--batch-sizes", type=_csv(int), help="export only these batch sizes' workloads and traces")
     args = p.parse_args(argv)
     try:
-        counts = export(args.dir)
+        counts = export(args.dir, blobs=not args.no_blobs, batch_sizes=args.batch_sizes)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,20 +5,31 @@ import pytest
 
 from harness.export import export
 from harness.solutions import discover
-from harness.workloads import load_workloads
+from harness.workloads import load_workloads, select
 
 fib = pytest.importorskip("flashinfer_bench.data", reason="flashinfer-bench is the [fib] extra: pip install -e \".[fib]\"")
 
 
 def test_flashinfer_bench_loads_the_export(defn, tmp_path):
-    counts = export(tmp_path)
+    """Self-contained: every trace names a solution and a workload of the dataset (the reference included) and
+    every workload's tensors load from the exported blobs, through FlashInfer-bench's own loader."""
+    counts = export(tmp_path, batch_sizes=(1,))
     ts = fib.TraceSet.from_path(str(tmp_path))
     assert defn.name in ts.definitions
     assert ts.definitions[defn.name].op_type == "leapquant_kda_flush"
     names = {s.name for s in ts.solutions.get(defn.name, [])}
-    assert names == set(discover(defn)) - {"reference"}
-    assert len(ts.workloads[defn.name]) == counts["workloads"] == len(load_workloads(defn))
-    assert len(ts.traces.get(defn.name, [])) == counts["traces"]
+    assert names == set(discover(defn))
+    workloads = ts.workloads[defn.name]
+    assert len(workloads) == counts["workloads"] == counts["blobs"] == len(select(load_workloads(defn), (1,)))
+    uuids = {w.workload.uuid for w in workloads}
+    traces = ts.traces.get(defn.name, [])
+    assert len(traces) == counts["traces"] and traces
+    assert all(t.solution in names and t.workload.uuid in uuids for t in traces)
+    for w in workloads:
+        paths = {spec.path for spec in w.workload.inputs.values()}
+        for path in paths:
+            tensors = ts.get_workload_blob_tensor(path)
+            assert set(tensors) == set(defn.inputs)
     for s in ts.solutions[defn.name]:
         assert all(src.content for src in s.sources)
 
