@@ -656,7 +656,7 @@ def test_a_hang_costs_one_timeout_and_stops_the_solution(defn, one, tmp_path):
     t0 = time.monotonic()
     results = judge(defn, sol, workloads, timeout_s=HANG_TIMEOUT_S)
     elapsed = time.monotonic() - t0
-    assert len(results) == 4 and [r.status for r in results] == [runner.TIMEOUT] * 4
+    assert len(results) == len(workloads) and [r.status for r in results] == [runner.TIMEOUT] * len(workloads)
     assert results[0].log == f"no answer within {HANG_TIMEOUT_S:g} s while running; worker killed"
     stopped = f"not run: the worker was stopped on {results[0].workload.label} ({results[0].log})"
     assert all(r.log == stopped for r in results[1:]), results[1].log
