@@ -25,7 +25,8 @@ status=0
 for solution in "$@"; do
   start=$(mktemp)
   SECONDS=0
-  python3 -m harness.run --device cuda --solution "$solution" 2>&1 | tee -a "$OUT/run.log"
+  # shellcheck disable=SC2086  # RUN_ARGS: more harness.run flags, e.g. RUN_ARGS="--batch-sizes 1,16"
+  python3 -m harness.run --device cuda --solution "$solution" ${RUN_ARGS:-} 2>&1 | tee -a "$OUT/run.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   if [ "${STRESS_EXAMPLES:-300}" != 0 ] && [ "$solution" != reference ]; then
     python3 -m harness.stress --solution "$solution" --examples "${STRESS_EXAMPLES:-300}" --device cuda --record \
