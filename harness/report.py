@@ -116,7 +116,7 @@ def deployment_section(records: list[dict], current: dict) -> list[str]:
                          f"{r['empty_graph_us']:.1f}", "-", "-", "-", "-"])
     return _records_section(
         "Deployment form",
-        "The in-place pool call as a serving engine makes it (OPERATOR.md, \"Deployment form\"), one CUDA graph "
+        "The in-place pool call as a serving engine makes it (docs/operator.md, \"Deployment form\"), one CUDA graph "
         "replayed L2-cold on a pool filled with a workload's inputs (`scripts/bench_deploy.py`); x floor counts every "
         "byte of the flushed programs once, window reset included; checked: after the last call the due checkpoints "
         "pass the criterion against the reference, their windows are reset and every other program is unchanged; "

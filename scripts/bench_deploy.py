@@ -4,7 +4,7 @@
 solution's worker fails, 2 on bad input.
 
 The deployment form is the solution's `pool.py::flush_inplace(pool, idx, q0)` on the operator's `Pool`
-(harness/ops/leapquant_kda_flush.py, OPERATOR.md "Deployment form": one flat buffer in the published engine
+(harness/ops/leapquant_kda_flush.py, docs/operator.md "Deployment form": one flat buffer in the published engine
 layout, the dense window and the fill counter `count`). It runs in the solution's sandboxed worker, as
 `python -m harness.run` runs `run` (harness.runner.Worker; the worker's side is harness/deploy.py). Cases, each one
 CUDA graph of one call on a pool of B + 1 slots filled with a workload's inputs (family `--family`), timed by
@@ -50,7 +50,7 @@ TIMEOUT_S = 300.0       # per request to the worker: a case, compilation and cap
 
 def program_bytes(defn, op) -> int:
     """Bytes one flushed program reads and writes once: its part of every batched input and of every output, and
-    the window reset it writes (OPERATOR.md: 51,776 + 4,672)."""
+    the window reset it writes (docs/operator.md: 51,776 + 4,672)."""
     batched, n_prefix = program_layout(defn)
     axes = defn.resolve_axes({"batch_size": 1})
     specs = [defn.inputs[n] for n in (*batched, *op.WINDOW_RESET)] + list(defn.outputs.values())

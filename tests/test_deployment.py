@@ -1,4 +1,4 @@
-"""The deployment form (OPERATOR.md, "Deployment form"): the operator's `Pool` layout and its argument checks, and
+"""The deployment form (docs/operator.md, "Deployment form"): the operator's `Pool` layout and its argument checks, and
 scripts/bench_deploy.py, which runs a solution's `pool.py::flush_inplace` in the solution's sandboxed worker and
 judges the state the last call of each case left: triton_v1 passes on the CPU (Triton interpreter, B = 1), planted
 pools that write a wrong checkpoint, touch a sequence that is not due, skip the window reset or change a counter

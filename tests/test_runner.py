@@ -120,7 +120,7 @@ def test_program_layout(defn):
 
 
 def test_floor_matches_operator_md(defn):
-    """51,776 bytes per program (OPERATOR.md) plus q0 [V, R] fp32, read once per call."""
+    """51,776 bytes per program (docs/operator.md) plus q0 [V, R] fp32, read once per call."""
     axes = defn.resolve_axes({"batch_size": 64})
     nbytes = runner.floor_ms(defn, axes, bandwidth=1e3)          # at 1 kB/s a byte takes a millisecond
     assert nbytes == pytest.approx(51776 * 64 * 32 + 128 * 4 * 4)

@@ -1,7 +1,7 @@
 """LeapQuant window flush of Kimi Delta Attention's int8 + rank-R checkpoint (op_type `leapquant_kda_flush`).
 
 Everything specific to this operator: the four input families, the exact fp64 state, `decode_checkpoint` and the
-decoded-state criterion of OPERATOR.md. Shapes come from the workload's axes (batch_size, num_heads, value_dim,
+decoded-state criterion of docs/operator.md. Shapes come from the workload's axes (batch_size, num_heads, value_dim,
 key_dim, window, rank), so the module serves any size of the definition family.
 
 The families are bit-reproducible on any machine and device, because workload blobs are checked against recorded
@@ -603,7 +603,7 @@ def _first_head(bad: torch.Tensor) -> tuple[int, int]:
 
 
 def judge(inputs: dict, outputs, reference_outputs) -> Verdict:
-    """OPERATOR.md's criterion on the decoded state; outputs are in definition order, shapes and dtypes checked. A
+    """docs/operator.md's criterion on the decoded state; outputs are in definition order, shapes and dtypes checked. A
     failed verdict names the first failing head in its reason and the kind of failure in extra["failure"]."""
     names = ("codes_new", "s_k_new", "s_v_new", "u_new", "q_new")
     for name, t in zip(names, outputs):
@@ -645,7 +645,7 @@ def judge(inputs: dict, outputs, reference_outputs) -> Verdict:
 
 
 # ----------------------------------------------------------------------------------------------- deployment form
-# The caller-owned pool a serving engine flushes in place (OPERATOR.md, "Deployment form"); solutions provide
+# The caller-owned pool a serving engine flushes in place (docs/operator.md, "Deployment form"); solutions provide
 # `flush_inplace(pool, idx, q0)` for it in their `pool.py`. The region of (slot, head) starts at byte
 # POOL_HEADER + (33 slot + head) * POOL_REGION (32 heads and one spare region a slot) and its first CHECKPOINT_BYTES
 # are the checkpoint: int8 codes [V, K] at +0, fp32 s_k [K] at +16,384, fp32 s_v [V] at +16,896, fp16 rows u | q

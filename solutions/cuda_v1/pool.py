@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""cuda_v1's deployment form: `flush_inplace(pool, idx, q0)` on a caller-owned pool (OPERATOR.md, "Deployment
+"""cuda_v1's deployment form: `flush_inplace(pool, idx, q0)` on a caller-owned pool (docs/operator.md, "Deployment
 form"; the harness's `harness.ops.leapquant_kda_flush.Pool` is one: any object with its attributes will do).
 
 The pool is one flat byte buffer (`buffer`) in the published engine layout, the region of (slot, head) at byte
