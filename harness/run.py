@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from tabulate import tabulate
+from tqdm import tqdm
 
 from harness import HarnessError, sandbox, timing, traces
 from harness.definition import find_definition
@@ -99,22 +100,25 @@ def _failed_to_load(solution: str, results: list[Result]) -> bool:
     return bool(mine) and all(r.status == COMPILE_ERROR for r in mine)
 
 
-def _progress(total: int):
-    done = [0]
+def _progress(solution: str, total: int):
+    """One line per result, and on a terminal a progress bar (done / total, elapsed, estimated time left) beneath."""
+    bar = tqdm(total=total, desc=solution, unit="workload", leave=False, disable=not sys.stdout.isatty())
     said = set()
 
     def report(r: Result) -> None:
-        done[0] += 1
+        bar.update(1)
+        if bar.n >= total:
+            bar.close()
         if r.status == COMPILE_ERROR:       # the same load error for every workload: said once
             if r.solution in said:
                 return
             said.add(r.solution)
         ratio = r.verdict.worst_head_ratio if r.verdict else None
-        print(f"  [{r.solution} {done[0]}/{total}] {r.workload.label}: {r.status}"
-              + (f" ratio {ratio:.4f}" if ratio is not None else "")
-              + (f" {r.latency_ms * 1e3:.1f} us" if r.latency_ms is not None else "")
-              + (f" ({r.log})" if r.log else ""),
-              flush=True)
+        tqdm.write(f"  [{r.solution} {bar.n}/{total}] {r.workload.label}: {r.status}"
+                   + (f" ratio {ratio:.4f}" if ratio is not None else "")
+                   + (f" {r.latency_ms * 1e3:.1f} us" if r.latency_ms is not None else "")
+                   + (f" ({r.log})" if r.log else ""), file=sys.stdout)
+        sys.stdout.flush()
     return report
 
 
@@ -176,7 +180,7 @@ def main(argv=None) -> int:
             env["gpu_other_processes"] = others
             if others:
                 print(f"WARNING: other processes use the GPU while {sol.name} is timed: {others}", flush=True)
-        done = evaluate(defn, sol, todo, device, args.timeout, on_result=_progress(len(todo)), timed=timed,
+        done = evaluate(defn, sol, todo, device, args.timeout, on_result=_progress(sol.name, len(todo)), timed=timed,
                         bandwidth=bandwidth, root=root, run_seed=run_seed, keep_going=args.keep_going,
                         calibration=calibration)
         if sol.name == REFERENCE:
