@@ -1,8 +1,9 @@
 """The deployment form inside a solution's worker (harness.worker's "deploy_case" and "deploy_empty" requests, sent by
-scripts/bench_deploy.py): the solution's `pool.py::flush_inplace(pool, idx, q0)` on the operator's `Pool` of B + 1
-slots, timed with harness.timing's replay timer on a GPU (graph replays between CUDA events, L2 flushed before each,
-median after warm-up), called untimed on the CPU. The harness sends the inputs and the schedule (every call's slot
-assignment and fill counters) and judges the state the last call left; nothing here decides what is correct."""
+harness/deploy_bench.py, `python -m harness deploy`): the solution's `pool.py::flush_inplace(pool, idx, q0)` on the
+operator's `Pool` of B + 1 slots, timed with harness.timing's replay timer on a GPU (graph replays between CUDA events,
+L2 flushed before each, median after warm-up), called untimed on the CPU. The harness sends the inputs and the
+schedule (every call's slot assignment and fill counters) and judges the state the last call left; nothing here
+decides what is correct."""
 from __future__ import annotations
 
 import statistics

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from harness import HarnessError, traces
+from harness import HarnessError, cli, traces
+from harness.cli import resolve_device
 from harness.definition import find_definition
 from harness.ops import load_op
-from harness.run import DEFAULT_DEFINITION, resolve_device
 from harness.runner import PASSED, Worker, check_outputs
 from harness.solutions import load_solution
 
@@ -24,18 +24,27 @@ RATIO_LIMIT = 1.01
 DRIFT_SEED = 20261203
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.drift", description=__doc__.split(":")[0])
-    p.add_argument("--solution", required=True)
-    p.add_argument("--windows", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--definition", default=DEFAULT_DEFINITION)
-    p.add_argument("--seed", type=int, default=DRIFT_SEED)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per flush before giving up")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = cli.description(__doc__)
+    p.epilog = cli.epilog(f"a window's error ratio over {RATIO_LIMIT}, or the solution failed a flush")
+    cli.add_solution(p)
+    p.add_argument("--windows", type=cli.positive_int, default=64, metavar="N",
+                   help="windows to flush one after another (default: %(default)s)")
+    cli.add_batch_size(p, 1, help="sequences per flush")
+    cli.add_device(p)
+    cli.add_definition(p)
+    p.add_argument("--seed", type=int, default=DRIFT_SEED, metavar="N",
+                   help="seed of the stream of windows (default: %(default)s)")
+    cli.add_timeout(p, help="seconds per flush before giving up")
     p.add_argument("--record", action="store_true", help="write the table to <traces>/<definition>/drift_<NAME>.json")
-    p.add_argument("--traces", default=str(traces.TRACES), help="root of --record's file (default: %(default)s)")
-    args = p.parse_args(argv)
+    cli.add_traces(p, str(traces.TRACES), help="root of --record's file (default: %(default)s)")
+
+
+def main(argv=None) -> int:
+    return execute(cli.parse(add_arguments, "python -m harness.drift", argv))
+
+
+def execute(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
         defn = find_definition(args.definition)

@@ -17,9 +17,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from harness import HarnessError
+from harness import HarnessError, cli
 from harness.definition import PINS, load_definition
-from harness.run import _csv
 from harness.solutions import REFERENCE, discover, load_solution
 from harness.traces import TRACES, load_traces
 from harness.workloads import load_inputs, load_workloads, save_workloads, select, workloads_path
@@ -71,12 +70,19 @@ def export(out: Path, root: Path = Path("."), blobs: bool = True, batch_sizes=No
     return counts
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.export", description=__doc__.splitlines()[0])
-    p.add_argument("dir", type=Path)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = cli.description(__doc__)
+    p.epilog = cli.epilog(None, families=True)
+    p.add_argument("dir", type=Path, help="the dataset's folder (made if need be)")
     p.add_argument("--no-blobs", action="store_true", help="leave the workloads' tensors out (several GB in all)")
-    p.add_argument("--batch-sizes", type=_csv(int), help="export only these batch sizes' workloads and traces")
-    args = p.parse_args(argv)
+    cli.add_batch_sizes(p, help="comma-separated: export only these batch sizes' workloads and traces (default: all)")
+
+
+def main(argv=None) -> int:
+    return execute(cli.parse(add_arguments, "python -m harness.export", argv))
+
+
+def execute(args: argparse.Namespace) -> int:
     try:
         counts = export(args.dir, blobs=not args.no_blobs, batch_sizes=args.batch_sizes)
     except HarnessError as e:

@@ -11,9 +11,8 @@ import re
 import sys
 from pathlib import Path
 
-from harness import HarnessError
+from harness import HarnessError, cli
 from harness.definition import Definition, find_definition
-from harness.run import DEFAULT_DEFINITION
 from harness.solutions import LANGUAGES, load_solution
 
 TEMPLATES = Path(__file__).resolve().parent / "ops" / "templates"
@@ -80,14 +79,24 @@ def write_solution(defn: Definition, name: str, language: str, author: str,
     return folder
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = cli.description(__doc__)
+    p.epilog = cli.epilog(None)
+    p.add_argument("name", help="the solution's name, also its folder's (lower case letters, digits and _)")
+    p.add_argument("--language", choices=LANGUAGES, required=True,
+                   help="python: the reference itself; triton, cuda: the state's rebuild as a kernel, the rest in "
+                        "torch")
+    p.add_argument("--author", default="leapquant-kda-flush-bench",
+                   help="solution.json's author (default: %(default)s)")
+    cli.add_definition(p)
+    cli.add_solutions_dir(p)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.new", description=__doc__.split(":")[0])
-    p.add_argument("name", help="the solution's name, also its folder's")
-    p.add_argument("--language", choices=LANGUAGES, required=True)
-    p.add_argument("--author", default="leapquant-kda-flush-bench", help="solution.json's author")
-    p.add_argument("--definition", default=DEFAULT_DEFINITION, help="definition name (default: %(default)s)")
-    p.add_argument("--solutions", default="solutions", metavar="DIR", help="where the folder goes")
-    args = p.parse_args(argv)
+    return execute(cli.parse(add_arguments, "python -m harness.new", argv))
+
+
+def execute(args: argparse.Namespace) -> int:
     try:
         folder = write_solution(find_definition(args.definition), args.name, args.language, args.author,
                                 args.solutions)

@@ -3,7 +3,7 @@
 Per solution and batch size: status over the families, median latency, its ratio to the memory floor, speedup over
 `reference` and the worst-head ratio; per solution: the geometric-mean speedup and fast_p (the share of workloads
 that pass and are more than p times faster than the reference). Only timed traces (a GPU's) count. Two more sections
-come from the other records under traces/<definition>/: `deploy_<solution>.json` (scripts/bench_deploy.py: the
+come from the other records under traces/<definition>/: `deploy_<solution>.json` (`python -m harness deploy`: the
 deployment form's timings), `drift_<solution>.json` (`python -m harness.drift --record`: the worst window) and
 `stress_<solution>.json` (`python -m harness.stress --record`: the search for breaking inputs). `--check`
 exits 1 when the committed LEADERBOARD.md differs from what the traces give (a stale leaderboard)."""
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from harness import HarnessError
+from harness import HarnessError, cli
 from harness.definition import find_definition
 from harness.solutions import load_solution, source_sha256
 from harness.traces import TRACES
@@ -117,11 +117,11 @@ def deployment_section(records: list[dict], current: dict) -> list[str]:
     return _records_section(
         "Deployment form",
         "The in-place pool call as a serving engine makes it (docs/operator.md, \"Deployment form\"), one CUDA graph "
-        "replayed L2-cold on a pool filled with a workload's inputs (`scripts/bench_deploy.py`); x floor counts every "
+        "replayed L2-cold on a pool filled with a workload's inputs (`python -m harness deploy`); x floor counts every "
         "byte of the flushed programs once, window reset included; checked: after the last call the due checkpoints "
         "pass the criterion against the reference, their windows are reset and every other program is unchanged; "
         "empty kernel: one graph of an empty kernel timed the same way, what this timer reads for no work.",
-        "run `python scripts/bench_deploy.py --solution NAME` on a GPU.",
+        "run `python -m harness deploy --solution NAME` on a GPU.",
         ["solution", "measured sources", "hardware", "case", "B", "due programs", "latency us", "floor us", "x floor",
          "target us", "checked"], rows)
 
@@ -273,15 +273,22 @@ def has_gpu_rows(text: str) -> bool:
     return "### Per batch size" in text
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = cli.description(__doc__)
+    p.epilog = cli.epilog("(--check) the committed LEADERBOARD.md differs from what the traces give")
     p.add_argument("--check", action="store_true", help="exit 1 if LEADERBOARD.md is stale; write nothing")
-    p.add_argument("--traces", default=str(TRACES), help="the traces to read (default: %(default)s)")
+    cli.add_traces(p, str(TRACES), help="the traces to read (default: %(default)s)")
     p.add_argument("--out", metavar="DIR", help="where LEADERBOARD.md and its plot go (default: the repository "
                                                 "root for the default traces, else the traces folder itself)")
     p.add_argument("--force", action="store_true",
                    help="replace a leaderboard that has GPU results with one that has none")
-    args = p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    return execute(cli.parse(add_arguments, "python -m harness.report", argv))
+
+
+def execute(args: argparse.Namespace) -> int:
     traces_root = Path(args.traces)
     out = Path(args.out) if args.out else Path(".") if traces_root.resolve() == TRACES.resolve() else traces_root
     board, picture = out / LEADERBOARD.name, out / PLOT.name

@@ -1,8 +1,9 @@
 """python -m harness.run --solution NAME [--solution NAME2 ...] [--batch-sizes 1,64] [--families edge,random]
 [--device auto|cuda|cpu] [--seed N] [--keep-going]: judge (and on a GPU time) solutions on the definition's workloads
-and print one table. Every workload is judged on its committed inputs and on fresh ones drawn from a seed made for
-this run (recorded in the traces); on a GPU it is timed on fresh inputs too. With --seed, the chosen workloads are
-drawn anew from base seed N and only judged.
+and print one table, then one line that sums it up ("3 solutions x 36 workloads: 107 PASSED, 1 INCORRECT_NUMERICAL").
+Every workload is judged on its committed inputs and on fresh ones drawn from a seed made for this run (recorded in the
+traces); on a GPU it is timed on fresh inputs too. With --seed, the chosen workloads are drawn anew from base seed N
+and only judged.
 Exits 1 when any workload is not PASSED, 2 on bad input (definition, solution, workload file or arguments)."""
 from __future__ import annotations
 
@@ -10,69 +11,57 @@ import argparse
 import os
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
-import torch
 from tabulate import tabulate
 from tqdm import tqdm
 
-from harness import HarnessError, sandbox, timing, traces
+from harness import HarnessError, cli, sandbox, timing, traces
+from harness.cli import DEFAULT_DEFINITION  # noqa: F401 -- where users of harness.run found it
 from harness.definition import find_definition
-from harness.runner import COMPILE_ERROR, PASSED, Calibration, Result, evaluate
+from harness.runner import (COMPILE_ERROR, INCORRECT_DTYPE, INCORRECT_NUMERICAL, INCORRECT_SHAPE, PASSED,
+                            RUNTIME_ERROR, TIMEOUT, Calibration, Result, evaluate)
 from harness.solutions import REFERENCE, SolutionError, discover, load_solution
 from harness.workloads import load_workloads, make_workload, select
 
-DEFAULT_DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
 CPU_BATCH_SIZES = (1, 2)
+# FlashInfer-bench's statuses, in the order a summary lists them
+STATUSES = (PASSED, INCORRECT_SHAPE, INCORRECT_DTYPE, INCORRECT_NUMERICAL, RUNTIME_ERROR, COMPILE_ERROR, TIMEOUT)
 
 
-def _csv(kind):
-    def parse(text: str):
-        try:
-            return tuple(kind(x) for x in text.split(",") if x)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
-    return parse
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m harness.run", description=__doc__.split(":")[0])
-    p.add_argument("--solution", action="append", dest="solutions", metavar="NAME",
-                   help="solution folder name under solutions/, or 'reference'; repeat for several "
-                        "(default: every solution of the definition)")
-    p.add_argument("--definition", default=DEFAULT_DEFINITION, help="definition name (default: %(default)s)")
-    p.add_argument("--batch-sizes", type=_csv(int), help="comma-separated (default: all; 1,2 on CPU)")
-    p.add_argument("--families", type=_csv(str), help="comma-separated input families (default: all)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = cli.description(__doc__)
+    p.epilog = cli.epilog("a workload not PASSED, or a solution folder that does not load", families=True)
+    cli.add_solution(p, many=True)
+    cli.add_definition(p)
+    cli.add_batch_sizes(p, help="comma-separated batch sizes (default: all; 1,2 on CPU)")
+    cli.add_families(p)
     p.add_argument("--workloads", metavar="FILE",
                    help="a workload file (JSONL) instead of the definition's, e.g. a reproducer written by "
                         "harness.stress; its workloads at every batch size; no traces unless --traces is given")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds per call before TIMEOUT (default: 300); a solution's first timeout or dead worker "
-                        "ends its run: its remaining workloads are reported without running")
+    cli.add_device(p)
+    cli.add_timeout(p, help="seconds per call before TIMEOUT; a solution's first timeout or dead worker ends its run: "
+                            "its remaining workloads are reported without running")
     p.add_argument("--keep-going", action="store_true",
                    help="after a timeout or dead worker, restart the worker and run the solution's remaining workloads")
     p.add_argument("--run-seed", type=int, metavar="N",
                    help="draw this run's fresh inputs and timing programs from seed N (default: a random seed, "
                         "recorded in the traces), to reproduce a run")
-    p.add_argument("--traces", metavar="DIR", help="write FlashInfer-bench traces under DIR (default: traces/ when "
-                                                   "timed on a GPU; CPU runs write none unless given)")
+    cli.add_traces(p, None, help="write FlashInfer-bench traces under DIR (default: traces/ when timed on a GPU; "
+                                 "CPU runs write none unless given)")
     p.add_argument("--no-traces", action="store_true", help="write no traces")
     p.add_argument("--seed", type=int, metavar="N",
                    help="judge on fresh inputs: the chosen workloads drawn anew from base seed N (blobs in a "
                         "temporary folder; the committed workloads are untouched); judged, not timed, no traces")
-    return p.parse_args(argv)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return cli.parse(add_arguments, "python -m harness.run", argv)
 
 
 def resolve_device(choice: str) -> str:
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-        if choice == "cpu":
-            print("no GPU found: running on CPU (Triton through the interpreter, batch sizes 1,2 by default, "
-                  "not timed)", flush=True)
-    elif choice == "cuda" and not torch.cuda.is_available():
-        raise HarnessError("--device cuda: torch sees no GPU")
-    return choice
+    return cli.resolve_device(choice, "Triton through the interpreter, batch sizes 1,2 by default, not timed")
 
 
 def table(results: list[Result], unloadable: list[tuple[str, str]] = ()) -> str:
@@ -122,8 +111,25 @@ def _progress(solution: str, total: int):
     return report
 
 
+def summary(results: list[Result], unloadable: list[tuple[str, str]], n_workloads: int) -> str:
+    """The run in one line, e.g. "3 solutions x 36 workloads: 107 PASSED, 1 INCORRECT_NUMERICAL": every judged
+    workload's status, PASSED first; a solution folder that did not load counts as a COMPILE_ERROR on every
+    workload."""
+    counts = Counter(r.status for r in results)
+    if unloadable:
+        counts[COMPILE_ERROR] += len(unloadable) * n_workloads
+    n_solutions = len({r.solution for r in results} | {name for name, _ in unloadable})
+    statuses = sorted(counts, key=lambda s: (s != PASSED, STATUSES.index(s) if s in STATUSES else len(STATUSES), s))
+    return (f"{n_solutions} solution{'s' if n_solutions != 1 else ''} x {n_workloads} "
+            f"workload{'s' if n_workloads != 1 else ''}: "
+            + (", ".join(f"{counts[s]} {s}" for s in statuses) if counts else "nothing run"))
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return execute(parse_args(argv))
+
+
+def execute(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
         defn = find_definition(args.definition)
@@ -196,6 +202,8 @@ def main(argv=None) -> int:
         print(f"{name}: {COMPILE_ERROR}: {log}", flush=True)
     print()
     print(table(results, unloadable))
+    print()
+    print(summary(results, unloadable, len(workloads)), flush=True)
     return 0 if all(r.status == PASSED for r in results) and not unloadable else 1
 
 

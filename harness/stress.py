@@ -24,10 +24,10 @@ import hypothesis
 from hypothesis import HealthCheck, Verbosity, given, settings, strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from harness import HarnessError, traces
+from harness import HarnessError, cli, traces
+from harness.cli import resolve_device
 from harness.definition import Definition, find_definition
 from harness.ops import load_op
-from harness.run import DEFAULT_DEFINITION, resolve_device
 from harness.runner import COMPILE_ERROR, PASSED, Worker, judge_call, program_layout
 from harness.solutions import load_solution
 from harness.workloads import generate_tensors, save_workloads, write_workload
@@ -161,34 +161,38 @@ def _failures(e: BaseException) -> list[Failure]:
     return []
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m harness.stress", description=__doc__.split(":")[0])
-    p.add_argument("--solution", required=True, help="solution folder name under solutions/, or 'reference'")
-    p.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES,
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = cli.description(__doc__)
+    p.epilog = cli.epilog("a failure found (each printed as one FAILED line, with its reproducer)")
+    cli.add_solution(p)
+    p.add_argument("--examples", type=cli.positive_int, default=DEFAULT_EXAMPLES, metavar="N",
                    help="examples to try before shrinking (default: %(default)s)")
-    p.add_argument("--seed", type=int, help="the search's seed, to repeat a search exactly (default: random, after "
-                                            "replaying the failures that earlier searches kept in .hypothesis/)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per example (default: %(default)s)")
-    p.add_argument("--definition", default=DEFAULT_DEFINITION, help="definition name (default: %(default)s)")
-    p.add_argument("--solutions", default="solutions", metavar="DIR",
-                   help="the folder holding the solution folders (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per call before TIMEOUT (default: 300)")
-    p.add_argument("--out", default=str(FAILURES), help="folder of the reproducers, one sub-folder per solution "
-                                                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, metavar="N",
+                   help="the search's seed, to repeat a search exactly (default: random, after replaying the "
+                        "failures that earlier searches kept in .hypothesis/)")
+    cli.add_device(p)
+    cli.add_batch_size(p, 1, help="sequences per example")
+    cli.add_definition(p)
+    cli.add_solutions_dir(p)
+    cli.add_timeout(p)
+    p.add_argument("--out", default=str(FAILURES), metavar="DIR",
+                   help="folder of the reproducers, one sub-folder per solution (default: %(default)s)")
     p.add_argument("--no-database", action="store_true",
                    help="neither replay nor keep failing examples in .hypothesis/")
     p.add_argument("--record", action="store_true",
                    help="write the outcome to <traces>/<definition>/stress_<NAME>.json (read by harness.report)")
-    p.add_argument("--traces", default=str(traces.TRACES), help="root of --record's file (default: %(default)s)")
-    args = p.parse_args(argv)
-    if args.examples < 1 or args.batch_size < 1:
-        p.error("--examples and --batch-size must be at least 1")
-    return args
+    cli.add_traces(p, str(traces.TRACES), help="root of --record's file (default: %(default)s)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return cli.parse(add_arguments, "python -m harness.stress", argv)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return execute(parse_args(argv))
+
+
+def execute(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
         defn = find_definition(args.definition)

@@ -158,7 +158,7 @@ def _parse_line(raw, defn: Definition, where: str) -> Workload:
 def load_workloads(defn: Definition, path: str | Path | None = None) -> list[Workload]:
     path = Path(path) if path is not None else workloads_path(defn)
     if not path.exists():
-        raise WorkloadError(f"{path}: no workload file (write it with scripts/gen_workloads.py)")
+        raise WorkloadError(f"{path}: no workload file (write it with `python -m harness gen-workloads`)")
     workloads = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -210,7 +210,7 @@ def select(workloads: list[Workload], batch_sizes=None, families=None, axis: str
         if not any(w.axes.get(axis) == b for w in workloads):
             present = sorted({w.axes.get(axis) for w in workloads})
             raise WorkloadError(f"no workload with {axis}={b} (present: {present}); "
-                                "add it with scripts/gen_workloads.py")
+                                "add it with `python -m harness gen-workloads`")
     for f in families or ():
         if not any(w.family == f for w in workloads):
             raise WorkloadError(f"no workload of family {f!r} (present: {sorted({w.family for w in workloads})})")

@@ -1,9 +1,10 @@
 """How much of the criterion's 1% margin the reference itself uses up: the definition's reference code, changed only
 in the order of its fp32 operations (or made more precise), judged against the unchanged reference by the harness's
-own judge, on the committed workloads:
+own judge, on the committed workloads. From the repository root (so that this checkout's harness is the one
+imported):
 
-    python scripts/reference_reorder.py --device cuda --batch-sizes 256,512 --families edge,second_window
-    python scripts/reference_reorder.py --device cuda --batch-sizes 256,512 --seed 1     # fresh inputs, base seed 1
+    python -m scripts.reference_reorder --device cuda --batch-sizes 256,512 --families edge,second_window
+    python -m scripts.reference_reorder --device cuda --batch-sizes 256,512 --seed 1     # fresh inputs, base seed 1
 
 Every variant computes the same math as the reference. A variant that fails means the criterion cannot tell a
 reordering of the reference from a wrong kernel on that workload: a kernel's margin there is a draw, not a design
@@ -12,14 +13,13 @@ property (cuda_v1/NOTES.md, "Session 10").
 import argparse
 import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness.definition import find_definition                      # noqa: E402
-from harness.ops import load_op                                      # noqa: E402
-from harness.workloads import load_inputs, load_workloads, make_workload, select   # noqa: E402
+from harness import HarnessError, cli
+from harness.definition import find_definition
+from harness.ops import load_op
+from harness.workloads import load_inputs, load_workloads, make_workload, select
 
-DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
+DEFINITION = cli.DEFAULT_DEFINITION
 # name -> edits of the reference's code string (old, new): every occurrence of old is replaced, and one must exist
 VARIANTS = {
     "reference, run again": [],
@@ -45,28 +45,37 @@ def variant_run(code: str, edits: list[tuple[str, str]], name: str):
     return namespace["run"]
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = cli.description(__doc__)
+    p.epilog = cli.epilog(None, families=True)
+    cli.add_device(p, "cpu")
+    cli.add_batch_sizes(p, default=(256, 512), help="comma-separated batch sizes (default: 256,512)")
+    cli.add_families(p)
+    p.add_argument("--seed", type=int, metavar="N", help="the chosen workloads drawn anew from base seed N")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--batch-sizes", default="256,512", help="comma-separated")
-    ap.add_argument("--families", default=None, help="comma-separated (default: all)")
-    ap.add_argument("--seed", type=int, metavar="N", help="the chosen workloads drawn anew from base seed N")
-    args = ap.parse_args(argv)
-    defn = find_definition(DEFINITION)
-    op = load_op(defn.op_type)
-    reference = defn.reference_run()
-    runs = {name: variant_run(defn.reference, edits, name) for name, edits in VARIANTS.items()}
-    chosen = select(load_workloads(defn), [int(b) for b in args.batch_sizes.split(",")],
-                    args.families.split(",") if args.families else None)
-    fresh = tempfile.TemporaryDirectory(prefix="reference_reorder_") if args.seed is not None else None
-    root = fresh.name if fresh else "."
-    if fresh:
-        chosen = [make_workload(defn, w.family, w.axes, args.seed, root, args.device) for w in chosen]
+    """Exits 0 once every judgement is made, failed ones included (they are what is measured)."""
+    args = cli.parse(add_arguments, "python -m scripts.reference_reorder", argv)
+    try:
+        device = cli.resolve_device(args.device)
+        defn = find_definition(DEFINITION)
+        op = load_op(defn.op_type)
+        reference = defn.reference_run()
+        runs = {name: variant_run(defn.reference, edits, name) for name, edits in VARIANTS.items()}
+        chosen = select(load_workloads(defn), args.batch_sizes, args.families)
+        fresh = tempfile.TemporaryDirectory(prefix="reference_reorder_") if args.seed is not None else None
+        root = fresh.name if fresh else "."
+        if fresh:
+            chosen = [make_workload(defn, w.family, w.axes, args.seed, root, device) for w in chosen]
+    except (HarnessError, SystemExit) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     dtypes = [spec.torch_dtype for spec in defn.outputs.values()]
     print(f"{'family':14s} {'B':>4s}  {'variant':28s} {'worst-head ratio':>16s}  verdict")
     failed = 0
     for w in chosen:
-        inputs = load_inputs(defn, w, args.device, root)
+        inputs = load_inputs(defn, w, device, root)
         ref_out = reference(**inputs)
         for name, run in runs.items():
             outputs = [t.to(dt) for t, dt in zip(run(**inputs), dtypes)]

@@ -48,7 +48,9 @@ def solution_at(rev: str, solution: str, name: str | None = None, root: Path = R
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="exit codes: 0 written (its name printed); 2 bad usage or input (a revision, a "
+                                        "solution or a folder name), one line on stderr")
     ap.add_argument("rev", help="a git revision (commit, tag, branch)")
     ap.add_argument("solution", help="the solution folder's name under solutions/")
     ap.add_argument("--name", help="the new folder's name (default <solution>_<short commit>)")
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
         dest = solution_at(args.rev, args.solution, args.name)
     except ValueError as err:
         print(f"solution_at: {err}", file=sys.stderr)
-        return 1
+        return 2
     print(dest.name)
     return 0
 

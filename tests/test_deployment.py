@@ -1,25 +1,20 @@
 """The deployment form (docs/operator.md, "Deployment form"): the operator's `Pool` layout and its argument checks, and
-scripts/bench_deploy.py, which runs a solution's `pool.py::flush_inplace` in the solution's sandboxed worker and
-judges the state the last call of each case left: triton_v1 passes on the CPU (Triton interpreter, B = 1), planted
-pools that write a wrong checkpoint, touch a sequence that is not due, skip the window reset or change a counter
-fail. GPU only: the timed benchmark of the committed pools, record included."""
-import importlib.util
+harness/deploy_bench.py (`python -m harness deploy`), which runs a solution's `pool.py::flush_inplace` in the
+solution's sandboxed worker and judges the state the last call of each case left: triton_v1 passes on the CPU (Triton
+interpreter, B = 1), planted pools that write a wrong checkpoint, touch a sequence that is not due, skip the window
+reset or change a counter fail. GPU only: the timed benchmark of the committed pools, record included."""
 import json
 
 import pytest
 import torch
 
-from conftest import ROOT, make_solution
-from harness import runner
+from conftest import make_solution
+from harness import deploy_bench, runner
 from harness.ops import leapquant_kda_flush as op
 from harness.ops.leapquant_kda_flush import Pool, check_idx
 from harness.solutions import load_solution, source_sha256
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-
-spec = importlib.util.spec_from_file_location("bench_deploy", ROOT / "scripts" / "bench_deploy.py")
-bench_deploy = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_deploy)
 
 
 def test_layout_matches_the_published_engine_layout():
@@ -70,11 +65,11 @@ def test_idx_and_call_contract_checked_in_one_line():
     pool.check_call(idx(0, 3), q0)
 
 
-# ------------------------------------------------------------------------------------- bench_deploy, in the worker
+# ------------------------------------------------------------------------------------- deploy_bench, in the worker
 def test_triton_v1_pool_passes_the_check_on_cpu(tmp_path, capsys):
     """Three cases at B = 1 (all due, 1 in 16 due on its first call: due too, none due), one untimed call each
     through the Triton interpreter in triton_v1's worker; nothing is written."""
-    code = bench_deploy.main(["--solution", "triton_v1", "--device", "cpu", "--batch-sizes", "1",
+    code = deploy_bench.main(["--solution", "triton_v1", "--device", "cpu", "--batch-sizes", "1",
                               "--traces", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -138,8 +133,8 @@ def plant(root, name: str, lines: dict):
 def test_planted_pool_is_judged_against_the_reference(name, tmp_path, monkeypatch, capsys):
     lines, failure = PLANTS[name]
     plant(tmp_path, name, lines)
-    monkeypatch.setattr(bench_deploy, "load_solution", lambda n, d: load_solution(n, d, tmp_path))
-    code = bench_deploy.main(["--solution", name, "--device", "cpu", "--batch-sizes", "1"])
+    monkeypatch.setattr(deploy_bench, "load_solution", lambda n, d: load_solution(n, d, tmp_path))
+    code = deploy_bench.main(["--solution", name, "--device", "cpu", "--batch-sizes", "1"])
     out = capsys.readouterr().out
     if failure is None:
         assert code == 0 and out.count("one call, untimed: PASSED") == 3, out
@@ -151,7 +146,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
     for argv, message in ((["--solution", "torch_v1"], "torch_v1: no pool.py among its sources"),
                           (["--solution", "nonesuch"], "no such solution"),
                           (["--solution", "triton_v1", "--batch-sizes", "3"], "no workload with batch_size=3")):
-        assert bench_deploy.main([*argv, "--device", "cpu"]) == 2
+        assert deploy_bench.main([*argv, "--device", "cpu"]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
 
@@ -161,9 +156,9 @@ def test_a_malformed_state_is_a_runtime_error(defn):
     x = op.make_inputs("random", defn.resolve_axes({"batch_size": 1}), 3)
     count = torch.full((1, 32), 16, dtype=torch.int32)
     state = {name: x[name] for name in (*op.CHECKPOINT, *op.WINDOW)} | {"count": count}
-    status, log = bench_deploy.check_state(defn, op, x, count, {**state, "s_v": x["s_v"].half()})
+    status, log = deploy_bench.check_state(defn, op, x, count, {**state, "s_v": x["s_v"].half()})
     assert status == runner.RUNTIME_ERROR and "s_v came back as torch.float16 [1, 32, 128]" in log, log
-    status, log = bench_deploy.check_state(defn, op, x, count, {k: v for k, v in state.items() if k != "pcum"})
+    status, log = deploy_bench.check_state(defn, op, x, count, {k: v for k, v in state.items() if k != "pcum"})
     assert status == runner.RUNTIME_ERROR and "pcum came back as nothing" in log, log
 
 
@@ -171,7 +166,7 @@ def test_a_malformed_state_is_a_runtime_error(defn):
 @gpu
 @pytest.mark.parametrize("name", ["triton_v1", "cuda_v1"])
 def test_gpu_benchmark_writes_its_record(name, tmp_path, defn, capsys):
-    code = bench_deploy.main(["--solution", name, "--batch-sizes", "1,16", "--traces", str(tmp_path)])
+    code = deploy_bench.main(["--solution", name, "--batch-sizes", "1,16", "--traces", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
     record = json.loads((tmp_path / defn.name / f"deploy_{name}.json").read_text())

@@ -1,18 +1,14 @@
-"""scripts/ncu_profile.py's stall attribution: SASS rows of an ncu source page mapped to source lines through the
-cubin's line table (two tiny kernels compiled here with -lineinfo stand in for profiled ones; a cubin may hold
-several kernels, and the profile picks its own by length)."""
+"""harness/profile.py's stall attribution (`python -m harness profile`): SASS rows of an ncu source page mapped to
+source lines through the cubin's line table (two tiny kernels compiled here with -lineinfo stand in for profiled ones;
+a cubin may hold several kernels, and the profile picks its own by length)."""
 import csv
 import re
-import importlib.util
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("ncu_profile", Path(__file__).parents[1] / "scripts" / "ncu_profile.py")
-ncu_profile = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ncu_profile)
+from harness import profile as ncu_profile
 
 KERNEL = """extern "C" __global__ void k(float* x) {
   x[threadIdx.x] = x[threadIdx.x] * 2.0f;

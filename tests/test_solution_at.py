@@ -64,6 +64,6 @@ def test_refuses_an_existing_folder_an_unknown_revision_and_a_missing_solution(t
 
 def test_cli_prints_one_error_line(capsys):
     _head()
-    assert solution_at.main(["HEAD", "no_such_solution"]) == 1
+    assert solution_at.main(["HEAD", "no_such_solution"]) == 2          # bad input, as every command exits
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("solution_at: ")

@@ -1,11 +1,12 @@
-"""Profiling helpers for a solution's kernels (Nsight Compute), for people tuning them.
+"""Profiling helpers for a solution's kernels (Nsight Compute), for people tuning them (`python -m harness profile`,
+or `python -m harness.profile`).
 
-  python scripts/ncu_profile.py run --solution NAME [--batch-size 64] [--family random] [--calls 3]
+  python -m harness profile run --solution NAME [--batch-size 64] [--family random] [--calls 3]
       calls the solution's entry point on one workload's inputs a few times, for ncu to capture, e.g.
       ncu --clock-control none -k regex:KERNEL -s 1 -c 1 --set full --import-source yes -o prof \\
-          python scripts/ncu_profile.py run --solution triton_v1
+          python -m harness profile run --solution triton_v1
       (--clock-control none: the card's clocks stay as they are)
-  python scripts/ncu_profile.py stalls SOURCE_CSV CUBIN [--source FILE] [--top 30]
+  python -m harness profile stalls SOURCE_CSV CUBIN [--source FILE] [--top 30]
       SOURCE_CSV: `ncu -i prof.ncu-rep --page source --csv --print-source sass`; CUBIN: the profiled kernel's own
       cubin (Triton: `~/.triton/cache/*/KERNEL.cubin`; CUDA: `cuobjdump -xelf all` of the extension, built with
       -lineinfo: cuda_v1 adds it under LEAPQUANT_CUDA_LINEINFO=1; of several kernels in a cubin, the one as long
@@ -13,11 +14,12 @@
       source line (the line table of the cubin, read with nvdisasm -g, maps each SASS instruction to its line; FILE
       names the source to quote, and code inlined from other files counts to the line of FILE that called it), with
       the instructions each line executed and its three main stall reasons.
-  python scripts/ncu_profile.py sass CUBIN [--top 12]
+  python -m harness profile sass CUBIN [--top 12]
       no GPU needed: per kernel of a cubin (e.g. `nvcc -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -I DIR
       FILE.cu`), its static SASS instructions, CTA barriers and most frequent opcodes, to predict a change's effect
       before timing it.
-"""
+
+Exits 2 on bad input (a file that does not read, a profile of another kernel, an unknown solution)."""
 from __future__ import annotations
 
 import argparse
@@ -29,9 +31,7 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from harness import HarnessError  # noqa: E402
+from harness import HarnessError, cli
 
 BARRIER = re.compile(r"\s*(@!?U?P\w+\s+)?BAR\.(SYNC|RED|ARV)")
 SECTION = re.compile(r"\s*\.section\s+\.text\.(?P<name>[^,\s]+)")
@@ -39,15 +39,15 @@ OPCODE = re.compile(r"\s+/\*[0-9a-f]{4,6}\*/\s+(@!?U?P\w+\s+)?(?P<op>[A-Z][A-Z0-
 LINE = re.compile(r'//## File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
-def run_solution(name: str, batch_size: int, family: str, calls: int) -> None:
+def run_solution(name: str, batch_size: int, family: str, calls: int,
+                 definition: str = cli.DEFAULT_DEFINITION) -> None:
     import torch
 
     from harness.definition import find_definition
-    from harness.run import DEFAULT_DEFINITION
     from harness.solutions import load_entry, load_solution
     from harness.workloads import load_inputs, load_workloads, select
 
-    defn = find_definition(DEFAULT_DEFINITION)
+    defn = find_definition(definition)
     [workload] = select(load_workloads(defn), [batch_size], [family])
     entry = load_entry(load_solution(name, defn), defn)
     axes = defn.resolve_axes(workload.axes)
@@ -175,27 +175,51 @@ def stalls(source_csv: str, cubin: str, source: str | None, top: int) -> None:
         print(f"{100 * s / total:5.1f}%  {executed[where]:>10}  {where[1] if where else '-':>5}  {quote:70}  {main}")
 
 
+def _tool_doc(tool: str) -> str:
+    """The module docstring's paragraph on one tool (the lines under its `python -m harness profile TOOL`)."""
+    lines = __doc__.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  python -m harness profile {tool} "))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("      ")), len(lines))
+    return "\n".join(line[6:] for line in lines[start + 1:end])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = cli.description(__doc__)
+    p.epilog = cli.epilog(None)
+    sub = p.add_subparsers(dest="tool", metavar="TOOL", required=True, title="tools")
+    r = sub.add_parser("run", help="call a solution on one workload's inputs (for ncu)", description=_tool_doc("run"))
+    r.epilog = cli.epilog(None, families=True)
+    cli.add_solution(r)
+    cli.add_batch_size(r, 64, help="the workload's batch size")
+    cli.add_family(r, "random")
+    r.add_argument("--calls", type=cli.positive_int, default=3, metavar="N",
+                   help="calls to the entry point (default: %(default)s)")
+    cli.add_definition(r)
+    s = sub.add_parser("stalls", help="stall samples by source line and by stretch between CTA barriers",
+                       description=_tool_doc("stalls"))
+    s.epilog = cli.epilog(None)
+    s.add_argument("source_csv", help="`ncu -i prof.ncu-rep --page source --csv --print-source sass` of the profile")
+    s.add_argument("cubin", help="the profiled kernel's own cubin, with line information")
+    s.add_argument("--source", metavar="FILE", help="the kernel's source file (quoted, and only its lines counted)")
+    s.add_argument("--top", type=cli.positive_int, default=30, metavar="N",
+                   help="source lines to list (default: %(default)s)")
+    c = sub.add_parser("sass", help="static instruction counts per kernel of a cubin (no GPU)",
+                       description=_tool_doc("sass"))
+    c.epilog = cli.epilog(None)
+    c.add_argument("cubin", help="a cubin, e.g. from nvcc -cubin")
+    c.add_argument("--top", type=cli.positive_int, default=12, metavar="N",
+                   help="most frequent opcodes to list per kernel (default: %(default)s)")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python scripts/ncu_profile.py", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="call a solution on one workload's inputs (for ncu)")
-    r.add_argument("--solution", required=True)
-    r.add_argument("--batch-size", type=int, default=64)
-    r.add_argument("--family", default="random")
-    r.add_argument("--calls", type=int, default=3)
-    s = sub.add_parser("stalls", help="stall samples by source line")
-    s.add_argument("source_csv")
-    s.add_argument("cubin")
-    s.add_argument("--source", help="the kernel's source file (quoted, and only its lines counted)")
-    s.add_argument("--top", type=int, default=30)
-    c = sub.add_parser("sass", help="static instruction counts per kernel of a cubin (no GPU)")
-    c.add_argument("cubin")
-    c.add_argument("--top", type=int, default=12)
-    args = p.parse_args(argv)
+    return execute(cli.parse(add_arguments, "python -m harness.profile", argv))
+
+
+def execute(args: argparse.Namespace) -> int:
     try:
-        if args.command == "run":
-            run_solution(args.solution, args.batch_size, args.family, args.calls)
-        elif args.command == "sass":
+        if args.tool == "run":
+            run_solution(args.solution, args.batch_size, args.family, args.calls, args.definition)
+        elif args.tool == "sass":
             sass(args.cubin, args.top)
         else:
             stalls(args.source_csv, args.cubin, args.source, args.top)

@@ -1,5 +1,5 @@
-"""python scripts/bench_deploy.py --solution NAME [--batch-sizes 64,256,512] [--family random] [--traces DIR]
-[--device cuda|cpu]: time a solution's deployment form on the GPU and write traces/<definition>/deploy_<NAME>.json
+"""python -m harness deploy --solution NAME [--batch-sizes 64,256,512] [--family random] [--traces DIR]
+[--device auto|cuda|cpu]: time a solution's deployment form on the GPU and write traces/<definition>/deploy_<NAME>.json
 (rendered in LEADERBOARD.md by `python -m harness.report`). Exits 1 when a case fails its check (below) or the
 solution's worker fails, 2 on bad input.
 
@@ -33,19 +33,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from harness import HarnessError, deploy, timing, traces  # noqa: E402
-from harness.definition import find_definition  # noqa: E402
-from harness.ops import load_op  # noqa: E402
-from harness.run import DEFAULT_DEFINITION, _csv  # noqa: E402
-from harness.runner import INCORRECT_NUMERICAL, PASSED, RUNTIME_ERROR, Worker, program_layout  # noqa: E402
-from harness.solutions import load_solution  # noqa: E402
-from harness.workloads import load_inputs, load_workloads, select  # noqa: E402
+from harness import HarnessError, cli, deploy, timing, traces
+from harness.definition import find_definition
+from harness.ops import load_op
+from harness.runner import INCORRECT_NUMERICAL, PASSED, RUNTIME_ERROR, Worker, program_layout
+from harness.solutions import load_solution
+from harness.workloads import load_inputs, load_workloads, select
 
 NONE_DUE_TARGET_US = 5.0
 SEED = 20261204
-TIMEOUT_S = 300.0       # per request to the worker: a case, compilation and capture included
+TIMEOUT_S = 300.0       # per request to the worker (--timeout): a case, compilation and capture included
 
 
 def program_bytes(defn, op) -> int:
@@ -135,21 +132,30 @@ def run_case(worker: Worker, defn, op, x: dict, counts, n_calls: int,
     return status, log, median, marginal
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = cli.description(__doc__)
+    p.epilog = cli.epilog("a case failed its check, or the solution's worker failed", families=True)
+    cli.add_solution(p, help="solution folder name under solutions/ (its sources list pool.py)")
+    cli.add_batch_sizes(p, default=(64, 256, 512),
+                        help="comma-separated batch sizes of the all-due cases; the largest also gives the pool of "
+                             "the 1-in-16 and none-due cases (default: 64,256,512)")
+    cli.add_family(p, "random")
+    cli.add_definition(p)
+    cli.add_device(p, "cuda", help="cuda: timed, the record written; cpu: each case one untimed call, judged, "
+                                   "nothing written; auto: cuda when torch sees a GPU, else cpu")
+    cli.add_timeout(p, TIMEOUT_S, help="seconds per request to the worker (a case, compilation and capture included)")
+    cli.add_traces(p, str(traces.TRACES), help="root of the output (default: %(default)s)")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python scripts/bench_deploy.py", description=__doc__.split(":")[0])
-    p.add_argument("--solution", required=True)
-    p.add_argument("--batch-sizes", type=_csv(int), default=(64, 256, 512))
-    p.add_argument("--family", default="random")
-    p.add_argument("--definition", default=DEFAULT_DEFINITION)
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cuda: timed, the record written (default); cpu: each case one untimed call, judged, "
-                        "nothing written")
-    p.add_argument("--traces", default=str(traces.TRACES), help="root of the output (default: %(default)s)")
-    args = p.parse_args(argv)
-    timed = args.device == "cuda"
+    return execute(cli.parse(add_arguments, "python -m harness.deploy_bench", argv))
+
+
+def execute(args: argparse.Namespace) -> int:
     try:
-        if timed and not torch.cuda.is_available():
+        if args.device == "cuda" and not torch.cuda.is_available():
             raise HarnessError("the deployment benchmark needs a GPU: torch sees none (--device cpu judges untimed)")
+        device = cli.resolve_device(args.device, "one untimed call a case, judged")
         defn = find_definition(args.definition)
         op = load_op(defn.op_type)
         sol = load_solution(args.solution, defn)
@@ -159,9 +165,9 @@ def main(argv=None) -> int:
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    worker = Worker(sol, defn, args.device, TIMEOUT_S, hide=[Path.cwd()])
+    worker = Worker(sol, defn, device, args.timeout, hide=[Path.cwd()])
     try:
-        return _bench(worker, defn, op, workloads, args)
+        return _bench(worker, defn, op, workloads, args, device)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -169,8 +175,8 @@ def main(argv=None) -> int:
         worker.close()
 
 
-def _bench(worker: Worker, defn, op, workloads: dict, args) -> int:
-    timed = args.device == "cuda"
+def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, device: str) -> int:
+    timed = device == "cuda"
     if worker.isolation != "bwrap":
         print(f"WARNING: the solution runs {worker.isolation}; the record says so", flush=True)
     per_program = program_bytes(defn, op)
@@ -195,7 +201,7 @@ def _bench(worker: Worker, defn, op, workloads: dict, args) -> int:
               flush=True)
     rows, passed = [], True
     for case, b, counts in cases:
-        x = load_inputs(defn, workloads[b], args.device)
+        x = load_inputs(defn, workloads[b], device)
         due_programs = int((counts(0) == full).sum()) * defn.const_axes["num_heads"]
         status, log, median_ms, marginal_ms = run_case(worker, defn, op, x, counts,
                                                        deploy.REPLAYS if timed else 1,
