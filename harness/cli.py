@@ -16,7 +16,7 @@ from typing import Callable
 
 from harness import HarnessError
 
-DEFAULT_DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
+DEFINITIONS = Path("definitions")
 DEVICES = ("auto", "cuda", "cpu")
 
 # the exit-code convention of every command
@@ -68,6 +68,13 @@ def description(doc: str, width: int = 100) -> str:
     paragraphs = text.split("\n\n")
     return "\n\n".join(p if any(line[:1].isspace() for line in p.splitlines())
                        else textwrap.fill(" ".join(p.split()), width) for p in paragraphs)
+
+
+def default_definition(root: str | Path = DEFINITIONS) -> str | None:
+    """The definition a command works on when --definition is not given: the only one under root, so that no
+    operator's name is written into the harness; None when there are several (or none), and then it must be named."""
+    names = {path.stem for path in Path(root).rglob("*.json")}
+    return names.pop() if len(names) == 1 else None
 
 
 # ------------------------------------------------------------------------------------------------ value parsers
@@ -135,8 +142,11 @@ def add_solutions_dir(p) -> None:
 
 
 def add_definition(p) -> None:
-    p.add_argument("--definition", default=DEFAULT_DEFINITION, metavar="NAME",
-                   help="definition name, under definitions/ (default: %(default)s)")
+    """--definition NAME: default the only definition under definitions/, required when there are several."""
+    default = default_definition()
+    p.add_argument("--definition", default=default, required=default is None, metavar="NAME",
+                   help="definition name, under definitions/ " + ("(default: %(default)s)" if default else
+                                                                  "(required here: not exactly one there)"))
 
 
 def add_device(p, default: str = "auto", help: str | None = None) -> None:
@@ -195,9 +205,12 @@ def resolve_device(choice: str, cpu_note: str = "Triton through the interpreter,
     return choice
 
 
-def catalogue(definition: str = DEFAULT_DEFINITION, root: str | Path = ".") -> str:
-    """The input families and batch sizes of the definition's committed workloads (what --families and
+def catalogue(root: str | Path = ".") -> str:
+    """The input families and batch sizes of the default definition's committed workloads (what --families and
     --batch-sizes choose from), for --help; read from the workload lines, nothing generated or checked."""
+    definition = default_definition(Path(root) / DEFINITIONS)
+    if definition is None:
+        return "families and batch sizes: not exactly one definition under definitions/ (run from the repository root)"
     paths = sorted(Path(root).glob(f"workloads/*/{definition}.jsonl"))
     if not paths:
         return f"families and batch sizes: no workload file for {definition} here (run from the repository root)"

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from harness import HarnessError
+from harness import HarnessError, cli
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -198,3 +198,11 @@ def find_definition(name: str, root: str | Path = "definitions") -> Definition:
     if not matches:
         raise DefinitionError(f"{root}: no definition named {name!r}")
     return load_definition(matches[0], Path(root) / PINS)
+
+
+def default_definition(root: str | Path = "definitions") -> Definition:
+    """The only definition under `root` (cli.default_definition): the one a command that names none works on."""
+    name = cli.default_definition(root)
+    if name is None:
+        raise DefinitionError(f"{root}: not exactly one definition here, so none is the default")
+    return find_definition(name, root)

@@ -1,5 +1,5 @@
 """The deployment form inside a solution's worker (harness.worker's "deploy_case" and "deploy_empty" requests, sent by
-harness/deploy_bench.py, `python -m harness deploy`): the solution's `pool.py::flush_inplace(pool, idx, q0)` on the
+harness/deploy_bench.py, `python -m harness deploy`): the solution's `pool.py::flush_inplace(pool, idx, *args)` on the
 operator's `Pool` of B + 1 slots, timed with harness.timing's replay timer on a GPU (graph replays between CUDA events,
 L2 flushed before each, median after warm-up), called untimed on the CPU. The harness sends the inputs and the
 schedule (every call's slot assignment and fill counters) and judges the state the last call left; nothing here
@@ -60,18 +60,19 @@ def marginal_in_graph_ms(call, stream, steps: int = GRAPH_STEPS) -> float:
 def run_case(flush_inplace, op, inputs: dict, count: torch.Tensor, slots: torch.Tensor,
              in_graph: bool) -> tuple[float | None, float | None, dict]:
     """flush_inplace on a pool of B + 1 slots: before call k, outside the timed region, sequence n of `inputs`
-    (batched [B, heads, ...], and q0) is written to slot slots[k, n] with fill counters count[k, n] [heads]. On a GPU
+    (batched [B, ...]; the op's POOL_CALL_ARGS, shared by all, are passed to the call) is written to slot slots[k, n]
+    with fill counters count[k, n]. On a GPU
     every call is one replay of a graph of one call (len(slots) replays, the first REPLAY_WARMUP untimed), on the
     CPU a plain call. Returns the median latency (ms; None on the CPU); with `in_graph` (a GPU only), the call's
     marginal cost in a graph of several steps on the pool as the last call left it (None otherwise); and the state
     the last call left: every checkpoint and window field and the counters of its slots, in the order of the
     sequences."""
-    device = inputs["q0"].device
+    device = next(iter(inputs.values())).device
     pool = op.Pool(slots.shape[1] + 1, device)
     slots = slots.long()
     idx = torch.empty(slots.shape[1], dtype=torch.int32, device=device)
-    q0 = inputs["q0"].clone()
-    fields = {k: v for k, v in inputs.items() if k != "q0"}
+    shared = [inputs[name].clone() for name in op.POOL_CALL_ARGS]
+    fields = {k: v for k, v in inputs.items() if k not in op.POOL_CALL_ARGS}
 
     def prepare(k):
         pool.write(slots[k], **fields, count=count[k])
@@ -79,7 +80,7 @@ def run_case(flush_inplace, op, inputs: dict, count: torch.Tensor, slots: torch.
         return graph
 
     def call():
-        flush_inplace(pool, idx, q0)
+        flush_inplace(pool, idx, *shared)
 
     graph = median = marginal = None
     if device.type == "cuda":

@@ -3,8 +3,8 @@
 (rendered in LEADERBOARD.md by `python -m harness.report`). Exits 1 when a case fails its check (below) or the
 solution's worker fails, 2 on bad input.
 
-The deployment form is the solution's `pool.py::flush_inplace(pool, idx, q0)` on the operator's `Pool`
-(harness/ops/leapquant_kda_flush.py, docs/operator.md "Deployment form": one flat buffer in the published engine
+The deployment form is the solution's `pool.py::flush_inplace(pool, idx, ...)` on the operator's `Pool`
+(harness/ops/<op_type>/, docs/operator.md "Deployment form": one flat buffer in the published engine
 layout, the dense window and the fill counter `count`). It runs in the solution's sandboxed worker, as
 `python -m harness.run` runs `run` (harness.runner.Worker; the worker's side is harness/deploy.py). Cases, each one
 CUDA graph of one call on a pool of B + 1 slots filled with a workload's inputs (family `--family`), timed by
@@ -17,9 +17,9 @@ outside the timed region, the pool is refilled with the inputs under a fresh ass
 drawn here and sent with the inputs), so nothing can be reused. The floor counts every byte the flushed programs
 read and write once, window reset included, at the measured copy rate. After the last call of each case the worker
 sends the state of its slots and this process judges it ("checked" and "status" in the record): the due sequences'
-checkpoints meet the operator's criterion against the reference on their inputs and their windows are reset (w,
-pcum, gbuf; kbuf and ubuf may keep their values), every other sequence's checkpoint and window is as refilled, and
-no counter changes.
+checkpoints meet the operator's criterion against the reference on their inputs and their windows are reset (the
+fields of the operator's WINDOW_RESET; the others may keep their values), every other sequence's checkpoint and
+window is as refilled, and no counter changes.
 
 With `--device cpu` (CI: Triton through its interpreter) each case is one untimed call, judged the same way, and
 nothing is written."""
@@ -47,7 +47,7 @@ TIMEOUT_S = 300.0       # per request to the worker (--timeout): a case, compila
 
 def program_bytes(defn, op) -> int:
     """Bytes one flushed program reads and writes once: its part of every batched input and of every output, and
-    the window reset it writes (docs/operator.md: 51,776 + 4,672)."""
+    the window reset it writes."""
     batched, n_prefix = program_layout(defn)
     axes = defn.resolve_axes({"batch_size": 1})
     specs = [defn.inputs[n] for n in (*batched, *op.WINDOW_RESET)] + list(defn.outputs.values())
@@ -64,10 +64,10 @@ def schedule(counts, batch_size: int, n_calls: int) -> tuple[torch.Tensor, torch
 
 def check_state(defn, op, x: dict, count: torch.Tensor, state: dict) -> tuple[str, str]:
     """(status, log) of the state a case's last call left in its slots (`state`, per sequence in the order of x, as
-    the worker read it from the pool), that call's inputs x and fill counters count [B, heads]: the counters as
+    the worker read it from the pool), that call's inputs x and fill counters count [B, ...]: the counters as
     written; every sequence not due with its checkpoint and window as written; every due one (a full window) with
     its window reset (op.WINDOW_RESET) and its checkpoint meeting op.judge against the reference on its inputs."""
-    device = x["codes"].device
+    device = x[op.CHECKPOINT[0]].device
     written = {**{name: x[name] for name in (*op.CHECKPOINT, *op.WINDOW)}, "count": count.to(device)}
     for name, want in written.items():
         got = state.get(name)
@@ -81,7 +81,7 @@ def check_state(defn, op, x: dict, count: torch.Tensor, state: dict) -> tuple[st
         """[B]: whether any element of sequence n's field `name` differs from `want` (a tensor like it, or a value)."""
         return (got[name] != want).flatten(1).any(-1)
 
-    due = (count == defn.const_axes["window"]).all(-1).to(device)
+    due = (count == defn.const_axes[op.DUE_EVERY]).flatten(1).all(-1).to(device)
     recounted = differs("count", written["count"])
     if recounted.any():
         return INCORRECT_NUMERICAL, f"sequence {int(recounted.nonzero()[0])}: its counter changed (it stays as the " \
@@ -117,18 +117,21 @@ def run_case(worker: Worker, defn, op, x: dict, counts, n_calls: int,
     counts(k) [B], timed on a GPU; then the state the last call left judged (check_state). Returns (status, log,
     median ms, and with `in_graph` the call's marginal cost in ms in a graph of several steps); the latencies are
     None on the CPU or when the worker failed."""
-    B, H = x["codes"].shape[:2]
+    batched, n_prefix = program_layout(defn)
+    programs = x[batched[0]].shape[:n_prefix]       # the fill counters' shape: [B, ...], one per program
+    B, per_sequence = programs[0], (1,) * (n_prefix - 1)
     count, slots = schedule(counts, B, n_calls)
     header = {"op": "deploy_case", "in_graph": in_graph}
-    tensors = {**x, "count": count[:, :, None].expand(n_calls, B, H).contiguous(), "slots": slots}
+    tensors = {**x, "count": count.view(n_calls, B, *per_sequence).expand(n_calls, *programs).contiguous(),
+               "slots": slots}
     status, reply, state = worker.request(header, tensors, "running a deployment case")
     if status != "ok":
         return status, reply, None, None
-    timed = x["codes"].device.type == "cuda"
+    timed = x[batched[0]].device.type == "cuda"
     median, marginal = reply.get("median_ms"), reply.get("marginal_ms")
     if not _latency(median, timed) or not _latency(marginal, timed and in_graph, -math.inf):
         return RUNTIME_ERROR, "malformed reply: no valid latency", None, None
-    status, log = check_state(defn, op, x, count[-1, :, None].expand(B, H), state)
+    status, log = check_state(defn, op, x, count[-1].view(B, *per_sequence).expand(*programs), state)
     return status, log, median, marginal
 
 
@@ -184,8 +187,11 @@ def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, 
     print(f"{worker.sol.name}: deployment form, {args.family} inputs, "
           + (f"copy rate {bandwidth / 1e12:.2f} TB/s, {per_program} bytes a flushed program (window reset included)"
              if timed else "on the CPU: one untimed call a case, judged"), flush=True)
-    full = defn.const_axes["window"]       # a sequence is due every `full` decode steps
+    full = defn.const_axes[op.DUE_EVERY]   # a sequence is due every `full` decode steps
     largest = max(args.batch_sizes)
+    _, n_prefix = program_layout(defn)
+    first_output = next(iter(defn.outputs.values()))
+    programs_per_sequence = math.prod(defn.shape(first_output, defn.resolve_axes(workloads[largest].axes))[1:n_prefix])
     cases = [("all due", b, lambda k, b=b: torch.full((b,), full)) for b in sorted(args.batch_sizes)]
     cases += [(f"1 in {full} due", largest, lambda k: full - (torch.arange(largest) + k) % full),
               ("none due", largest, lambda k: 1 + (torch.arange(largest) + k) % (full - 1))]
@@ -202,7 +208,7 @@ def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, 
     rows, passed = [], True
     for case, b, counts in cases:
         x = load_inputs(defn, workloads[b], device)
-        due_programs = int((counts(0) == full).sum()) * defn.const_axes["num_heads"]
+        due_programs = int((counts(0) == full).sum()) * programs_per_sequence
         status, log, median_ms, marginal_ms = run_case(worker, defn, op, x, counts,
                                                        deploy.REPLAYS if timed else 1,
                                                        in_graph=timed and not due_programs)

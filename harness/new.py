@@ -1,11 +1,13 @@
 """python -m harness.new NAME --language python|triton|cuda [--author WHO] [--definition NAME]: write a new solution
 folder, solutions/NAME/, that passes as it stands: the definition's reference math in the language's simplest form
 (python: the reference itself; triton and cuda: the state's rebuild as a kernel and the rest in torch, from the
-operator's templates in harness/ops/templates/<op_type>/<language>/), its solution.json and a NOTES.md to fill in.
+operator's templates in harness/ops/<op_type>/templates/<language>/, described by <language>.md beside it), its
+solution.json and a NOTES.md to fill in.
 Then `python -m harness.run --solution NAME`. Exits 2 on bad input (an existing folder, a bad name, no template)."""
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import re
 import sys
@@ -15,7 +17,7 @@ from harness import HarnessError, cli
 from harness.definition import Definition, find_definition
 from harness.solutions import LANGUAGES, load_solution
 
-TEMPLATES = Path(__file__).resolve().parent / "ops" / "templates"
+OPS = Path(__file__).resolve().parent / "ops"
 ENTRY_FILES = {"python": "flush.py", "triton": "kernel.py", "cuda": "main.py"}
 HARDWARE = {"python": ["CPU", "NVIDIA_H200"], "triton": ["NVIDIA_H200"], "cuda": ["NVIDIA_H200"]}
 DEPENDENCIES = {"python": ["torch >= 2.11"], "triton": ["torch >= 2.11", "triton >= 3.6"],
@@ -38,12 +40,7 @@ correctness state (`python -m harness.run --solution {name}`, `python -m harness
 ## Measured and not kept
 Nothing yet.
 """
-DESIGN = {"python": "The definition's reference code as it stands (`flush.py`).",
-          "triton": "One Triton program per (sequence, head) rebuilds the fp32 state (`kernel.py`); the subspace "
-                    "iteration and the requantisation follow the reference in torch.",
-          "cuda": "One CUDA block per (sequence, head) rebuilds the fp32 state (`rebuild.cu`, pure CUDA, bound to "
-                  "torch in `binding.cpp`, built by `main.py` on the first call on a GPU); the subspace iteration "
-                  "and the requantisation follow the reference in torch."}
+PYTHON_DESIGN = "The definition's reference code as it stands (`flush.py`)."
 
 
 def write_solution(defn: Definition, name: str, language: str, author: str,
@@ -58,11 +55,13 @@ def write_solution(defn: Definition, name: str, language: str, author: str,
         raise HarnessError(f"{folder} exists already")
     if language == "python":
         files = {"flush.py": f'"""{name}: the definition\'s reference, as a starting point."""\n' + defn.reference}
+        design = PYTHON_DESIGN
     else:
-        templates = TEMPLATES / defn.op_type / language
+        templates = OPS / defn.op_type / "templates" / language
         if not templates.is_dir():
             raise HarnessError(f"no {language} template for op_type {defn.op_type!r} ({templates})")
         files = {p.name: p.read_text().replace("{name}", name) for p in sorted(templates.iterdir()) if p.is_file()}
+        design = templates.with_suffix(".md").read_text().strip()
     entry = ENTRY_FILES[language]
     folder.mkdir(parents=True)
     for path, text in files.items():
@@ -74,7 +73,7 @@ def write_solution(defn: Definition, name: str, language: str, author: str,
         "spec": {"language": language, "target_hardware": HARDWARE[language], "entry_point": f"{entry}::run",
                  "destination_passing_style": False, "dependencies": DEPENDENCIES[language]},
         "sources": [{"path": p} for p in sources]}, indent=2) + "\n")
-    (folder / "NOTES.md").write_text(NOTES.format(name=name, language=language, design=DESIGN[language]))
+    (folder / "NOTES.md").write_text(NOTES.format(name=name, language=language, design=design))
     load_solution(name, defn, root)     # what was written parses
     return folder
 
@@ -86,8 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--language", choices=LANGUAGES, required=True,
                    help="python: the reference itself; triton, cuda: the state's rebuild as a kernel, the rest in "
                         "torch")
-    p.add_argument("--author", default="leapquant-kda-flush-bench",
-                   help="solution.json's author (default: %(default)s)")
+    p.add_argument("--author", default=getpass.getuser(), help="solution.json's author (default: %(default)s)")
     cli.add_definition(p)
     cli.add_solutions_dir(p)
 

@@ -39,8 +39,7 @@ OPCODE = re.compile(r"\s+/\*[0-9a-f]{4,6}\*/\s+(@!?U?P\w+\s+)?(?P<op>[A-Z][A-Z0-
 LINE = re.compile(r'//## File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
-def run_solution(name: str, batch_size: int, family: str, calls: int,
-                 definition: str = cli.DEFAULT_DEFINITION) -> None:
+def run_solution(name: str, batch_size: int, family: str, calls: int, definition: str) -> None:
     import torch
 
     from harness.definition import find_definition

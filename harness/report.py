@@ -1,12 +1,14 @@
 """python -m harness.report [--check]: rebuild LEADERBOARD.md (and its plot) from traces/.
 
 Per solution and batch size: status over the families, median latency, its ratio to the memory floor, speedup over
-`reference` and the worst-head ratio; per solution: the geometric-mean speedup and fast_p (the share of workloads
-that pass and are more than p times faster than the reference). Only timed traces (a GPU's) count. Two more sections
-come from the other records under traces/<definition>/: `deploy_<solution>.json` (`python -m harness deploy`: the
-deployment form's timings), `drift_<solution>.json` (`python -m harness.drift --record`: the worst window) and
-`stress_<solution>.json` (`python -m harness.stress --record`: the search for breaking inputs). `--check`
-exits 1 when the committed LEADERBOARD.md differs from what the traces give (a stale leaderboard)."""
+`reference` and the worst of the operator's scores (the verdicts' headline figure); per solution: the geometric-mean
+speedup and fast_p (the share of workloads that pass and are more than p times faster than the reference). Only timed
+traces (a GPU's) count. Two more sections come from the other records under traces/<definition>/:
+`deploy_<solution>.json` (`python -m harness deploy`: the deployment form's timings), `drift_<solution>.json`
+(`python -m harness.drift --record`: the worst window) and `stress_<solution>.json` (`python -m harness.stress
+--record`: the search for breaking inputs). `--check` exits 1 when the committed LEADERBOARD.md differs from what the
+traces give (a stale leaderboard). The words for the operator's concepts are its own (harness.ops.Wording): those of
+the default definition's operator."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +22,8 @@ from pathlib import Path
 from tabulate import tabulate
 
 from harness import HarnessError, cli
-from harness.definition import find_definition
+from harness.definition import default_definition, find_definition
+from harness.ops import Operator, load_op
 from harness.solutions import load_solution, source_sha256
 from harness.traces import TRACES
 
@@ -48,9 +51,10 @@ def load_records(kind: str, root: Path = TRACES) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(Path(root).glob(f"*/{kind}_*.json"))]
 
 
-def leaderboard(root: Path = TRACES) -> tuple[str, dict]:
-    """The leaderboard of everything recorded under root: build() on its traces and records."""
-    return build(load_all(root), deploy=load_records("deploy", root), drift=load_records("drift", root),
+def leaderboard(op: Operator, root: Path = TRACES) -> tuple[str, dict]:
+    """The leaderboard of everything recorded under root, in the operator's words: build() on its traces and
+    records."""
+    return build(load_all(root), op, deploy=load_records("deploy", root), drift=load_records("drift", root),
                  stress=load_records("stress", root))
 
 
@@ -102,7 +106,7 @@ def _records_section(title: str, intro: str, nothing_yet: str, headers: list[str
     return parts + [tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), ""]
 
 
-def deployment_section(records: list[dict], current: dict) -> list[str]:
+def deployment_section(records: list[dict], current: dict, op: Operator) -> list[str]:
     rows = []
     for r in records:
         state = sources_state([r], current.get((r["definition"], r["solution"])))
@@ -115,36 +119,28 @@ def deployment_section(records: list[dict], current: dict) -> list[str]:
             rows.append([r["solution"], state, r["environment"]["hardware"], "empty kernel (timer floor)", "-", "-",
                          f"{r['empty_graph_us']:.1f}", "-", "-", "-", "-"])
     return _records_section(
-        "Deployment form",
-        "The in-place pool call as a serving engine makes it (docs/operator.md, \"Deployment form\"), one CUDA graph "
-        "replayed L2-cold on a pool filled with a workload's inputs (`python -m harness deploy`); x floor counts every "
-        "byte of the flushed programs once, window reset included; checked: after the last call the due checkpoints "
-        "pass the criterion against the reference, their windows are reset and every other program is unchanged; "
-        "empty kernel: one graph of an empty kernel timed the same way, what this timer reads for no work.",
+        "Deployment form", op.WORDING.deployment_intro,
         "run `python -m harness deploy --solution NAME` on a GPU.",
         ["solution", "measured sources", "hardware", "case", "B", "due programs", "latency us", "floor us", "x floor",
          "target us", "checked"], rows)
 
 
-def drift_section(records: list[dict], current: dict) -> list[str]:
+def drift_section(records: list[dict], current: dict, op: Operator) -> list[str]:
     rows = []
     for r in records:
         w = r["worst"]
         rows.append([r["solution"], sources_state([r], current.get((r["definition"], r["solution"]))),
                      r["environment"]["hardware"], r["windows"], r["batch_size"], w["window"], f"{w['error']:.4g}",
-                     f"{w['reference_error']:.4g}", f"{w['ratio']:.4f}", _fmt(w["worst_head_ratio"], ".4f"),
+                     f"{w['reference_error']:.4g}", f"{w['ratio']:.4f}", _fmt(w[op.WORDING.score_key], ".4f"),
                      f"{r['limit']}" + ("" if w["ratio"] <= r["limit"] else " EXCEEDED")])
     return _records_section(
-        "Drift over many windows",
-        "Each flush's checkpoint fed back with a fresh trajectory window (`python -m harness.drift --record`); the "
-        "worst window of each recorded run: its mean decoded error against the exactly propagated state, the "
-        "reference pipeline's on the same windows, their ratio (limit in the last column) and the worst head's.",
+        "Drift over many windows", op.WORDING.drift_intro,
         "run `python -m harness.drift --solution NAME --windows 64 --batch-size 16 --device cuda --record`.",
         ["solution", "measured sources", "hardware", "windows", "B", "worst window", "error", "reference error",
-         "ratio", "worst-head ratio", "limit"], rows)
+         "ratio", op.WORDING.score_label, "limit"], rows)
 
 
-def stress_section(records: list[dict], current: dict) -> list[str]:
+def stress_section(records: list[dict], current: dict, op: Operator) -> list[str]:
     rows = []
     for r in records:
         failures = r["failures"]
@@ -156,9 +152,8 @@ def stress_section(records: list[dict], current: dict) -> list[str]:
     return _records_section(
         "Search for breaking inputs",
         "`python -m harness.stress --record`: a property-based search (Hypothesis) over the operator's grammar of "
-        "degenerate heads (rank-deficient states, states orthogonal to q0, cancelling or empty windows, scales "
-        "across decades, total decay, exactly representable values), each example judged as `harness.run` judges; "
-        "examples: those drawn, calls: with the shrinking of failures.",
+        f"{op.WORDING.stress_subject}, each example judged as `harness.run` judges; examples: those drawn, calls: "
+        "with the shrinking of failures.",
         "run `python -m harness.stress --solution NAME --examples 300 --device cuda --record`.",
         ["solution", "measured sources", "hardware", "examples", "calls", "B", "outcome", "first failure"], rows)
 
@@ -176,11 +171,11 @@ def best_floors(traces: list[dict]) -> dict:
     return floors
 
 
-def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = (),
+def build(traces: list[dict], op: Operator, current: dict | None = None, deploy: list[dict] = (),
           drift: list[dict] = (), stress: list[dict] = ()) -> tuple[str, dict]:
     """The leaderboard's markdown and the plot's series {solution: [(batch, median latency ms)]} (+ 'floor'), from
-    the traces and the deploy and drift records. `current` maps (definition, solution) to its sources' hash now
-    (default: read from the repository)."""
+    the traces and the deploy and drift records, in the words of the operator `op`. `current` maps (definition,
+    solution) to its sources' hash now (default: read from the repository)."""
     current = current_hashes([*traces, *deploy, *drift, *stress]) if current is None else current
     by_def = defaultdict(list)
     for t in traces:
@@ -219,7 +214,7 @@ def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = 
                 perf = [t["evaluation"]["performance"] for t in passed]
                 lat = statistics.median(p["latency_ms"] for p in perf) if perf else None
                 floor = floors.get((at[0]["evaluation"]["environment"]["hardware"], b))
-                ratios = [t["evaluation"]["correctness"]["extra"].get("worst_head_ratio") for t in passed]
+                ratios = [t["evaluation"]["correctness"]["extra"].get(op.WORDING.score_key) for t in passed]
                 ratios = [r for r in ratios if r is not None]
                 sp = _geomean([t["evaluation"]["performance"]["speedup_factor"] for t in passed
                                if t["evaluation"]["performance"]["speedup_factor"]])
@@ -237,7 +232,7 @@ def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = 
                            + [f"fast_{p}" for p in FAST_P], tablefmt="github", disable_numparse=True), "",
                   "### Per batch size", "",
                   tabulate(rows, headers=["solution", "B", "status", "latency us", "x floor", "speedup",
-                                          "worst-head ratio"], tablefmt="github", disable_numparse=True), "",
+                                          op.WORDING.score_label], tablefmt="github", disable_numparse=True), "",
                   "### Environment", ""]
         for line in sorted({f"- {e['hardware']}: " + ", ".join(f"{k} {v}" for k, v in sorted(e["libs"].items()))
                             for e in map(json.loads, envs)}):
@@ -245,11 +240,13 @@ def build(traces: list[dict], current: dict | None = None, deploy: list[dict] = 
         parts.append("")
     if not traces:
         parts += ["No timed traces yet: run `python -m harness.run --device cuda` on a GPU.", ""]
-    parts += deployment_section(deploy, current) + drift_section(drift, current) + stress_section(stress, current)
+    parts += (deployment_section(deploy, current, op) + drift_section(drift, current, op)
+              + stress_section(stress, current, op))
     return "\n".join(parts), series
 
 
-def plot(series: dict, path: Path = PLOT) -> None:
+def plot(series: dict, batch_unit: str, path: Path = PLOT) -> None:
+    """The latencies against the batch size, whose unit (the programs of one batch element) the operator names."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -260,7 +257,7 @@ def plot(series: dict, path: Path = PLOT) -> None:
         ax.plot([b for b, _ in points], [ms * 1e3 for _, ms in points], label=name, **style)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("batch size (x 32 heads)")
+    ax.set_xlabel(f"batch size (x {batch_unit})")
     ax.set_ylabel("median latency (us)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
@@ -292,7 +289,13 @@ def execute(args: argparse.Namespace) -> int:
     traces_root = Path(args.traces)
     out = Path(args.out) if args.out else Path(".") if traces_root.resolve() == TRACES.resolve() else traces_root
     board, picture = out / LEADERBOARD.name, out / PLOT.name
-    text, series = leaderboard(traces_root)
+    try:
+        defn = default_definition()
+        op = load_op(defn.op_type)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text, series = leaderboard(op, traces_root)
     if args.check:
         current = board.read_text() if board.exists() else ""
         if current != text:
@@ -307,7 +310,7 @@ def execute(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     board.write_text(text)
     if series:
-        plot(series, picture)
+        plot(series, op.WORDING.batch_unit.format(**defn.const_axes), picture)
     print(f"wrote {board}" + (f" and {picture}" if series else ""))
     return 0
 

@@ -18,8 +18,8 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from harness import HarnessError, cli, sandbox, timing, traces
-from harness.cli import DEFAULT_DEFINITION  # noqa: F401 -- where users of harness.run found it
 from harness.definition import find_definition
+from harness.ops import Operator, load_op
 from harness.runner import (COMPILE_ERROR, INCORRECT_DTYPE, INCORRECT_NUMERICAL, INCORRECT_SHAPE, PASSED,
                             RUNTIME_ERROR, TIMEOUT, Calibration, Result, evaluate)
 from harness.solutions import REFERENCE, SolutionError, discover, load_solution
@@ -64,9 +64,9 @@ def resolve_device(choice: str) -> str:
     return cli.resolve_device(choice, "Triton through the interpreter, batch sizes 1,2 by default, not timed")
 
 
-def table(results: list[Result], unloadable: list[tuple[str, str]] = ()) -> str:
-    """One row per result; a solution that did not load (a folder that does not parse, or an entry point that does
-    not import) is one row, not one per workload."""
+def table(results: list[Result], op: Operator, unloadable: list[tuple[str, str]] = ()) -> str:
+    """One row per result, the verdict's score under the operator's name for it; a solution that did not load (a
+    folder that does not parse, or an entry point that does not import) is one row, not one per workload."""
     rows = [[name, "-", "all", COMPILE_ERROR, "-", "-", "-", "-", log[:90]] for name, log in unloadable]
     for r in results:
         if r.status == COMPILE_ERROR and _failed_to_load(r.solution, results):
@@ -75,13 +75,13 @@ def table(results: list[Result], unloadable: list[tuple[str, str]] = ()) -> str:
             continue
         v = r.verdict
         rows.append([r.solution, r.workload.axes.get("batch_size"), r.workload.family, r.status,
-                     f"{v.worst_head_ratio:.4f}" if v and v.worst_head_ratio is not None else "-",
+                     f"{v.score:.4f}" if v and v.score is not None else "-",
                      f"{r.latency_ms * 1e3:.1f}" if r.latency_ms is not None else "-",
                      f"{r.floor_ms * 1e3:.1f}" if r.floor_ms else "-",
                      f"{r.latency_ms / r.floor_ms:.2f}" if r.latency_ms is not None and r.floor_ms else "-",
                      r.log[:90]])
-    return tabulate(rows, headers=["solution", "B", "family", "status", "worst-head ratio", "latency us", "floor us",
-                                   "x floor", "log"], disable_numparse=True)
+    return tabulate(rows, headers=["solution", "B", "family", "status", op.WORDING.score_label, "latency us",
+                                   "floor us", "x floor", "log"], disable_numparse=True)
 
 
 def _failed_to_load(solution: str, results: list[Result]) -> bool:
@@ -89,7 +89,7 @@ def _failed_to_load(solution: str, results: list[Result]) -> bool:
     return bool(mine) and all(r.status == COMPILE_ERROR for r in mine)
 
 
-def _progress(solution: str, total: int):
+def _progress(solution: str, total: int, score_label: str):
     """One line per result, and on a terminal a progress bar (done / total, elapsed, estimated time left) beneath."""
     bar = tqdm(total=total, desc=solution, unit="workload", leave=False, disable=not sys.stdout.isatty())
     said = set()
@@ -102,9 +102,9 @@ def _progress(solution: str, total: int):
             if r.solution in said:
                 return
             said.add(r.solution)
-        ratio = r.verdict.worst_head_ratio if r.verdict else None
+        score = r.verdict.score if r.verdict else None
         tqdm.write(f"  [{r.solution} {bar.n}/{total}] {r.workload.label}: {r.status}"
-                   + (f" ratio {ratio:.4f}" if ratio is not None else "")
+                   + (f" {score_label} {score:.4f}" if score is not None else "")
                    + (f" {r.latency_ms * 1e3:.1f} us" if r.latency_ms is not None else "")
                    + (f" ({r.log})" if r.log else ""), file=sys.stdout)
         sys.stdout.flush()
@@ -133,6 +133,7 @@ def execute(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
         defn = find_definition(args.definition)
+        op = load_op(defn.op_type)
         solutions, unloadable = [], []
         for name in args.solutions or discover(defn):
             try:
@@ -186,9 +187,9 @@ def execute(args: argparse.Namespace) -> int:
             env["gpu_other_processes"] = others
             if others:
                 print(f"WARNING: other processes use the GPU while {sol.name} is timed: {others}", flush=True)
-        done = evaluate(defn, sol, todo, device, args.timeout, on_result=_progress(sol.name, len(todo)), timed=timed,
-                        bandwidth=bandwidth, root=root, run_seed=run_seed, keep_going=args.keep_going,
-                        calibration=calibration)
+        done = evaluate(defn, sol, todo, device, args.timeout, timed=timed, bandwidth=bandwidth, root=root,
+                        run_seed=run_seed, keep_going=args.keep_going, calibration=calibration,
+                        on_result=_progress(sol.name, len(todo), op.WORDING.score_label))
         if sol.name == REFERENCE:
             reference_ms.update({r.workload.uuid: r.latency_ms for r in done})
         if trace_root is not None:
@@ -201,7 +202,7 @@ def execute(args: argparse.Namespace) -> int:
     for name, log in unloadable:
         print(f"{name}: {COMPILE_ERROR}: {log}", flush=True)
     print()
-    print(table(results, unloadable))
+    print(table(results, op, unloadable))
     print()
     print(summary(results, unloadable, len(workloads)), flush=True)
     return 0 if all(r.status == PASSED for r in results) and not unloadable else 1

@@ -191,7 +191,7 @@ def check_outputs(defn: Definition, specs, tensors: dict, axes: dict, device: st
 
 
 def program_layout(defn: Definition) -> tuple[tuple[str, ...], int]:
-    """The axes every output starts with (one program each: here batch x heads) and the inputs that share them."""
+    """The axes every output starts with (one program each) and the inputs that share them."""
     shapes = [s.shape for s in defn.outputs.values()]
     n = 0
     while all(len(s) > n and s[n] == shapes[0][n] for s in shapes):
@@ -418,7 +418,7 @@ def judge_call(defn, op, worker: Worker, inputs: dict, var_axes: dict) -> tuple[
 def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: str = "") -> None:
     status, log, verdict = judge_call(defn, op, worker, pristine, result.workload.axes)
     if verdict is not None and (result.verdict is None or not verdict.passed
-                                or (verdict.worst_head_ratio or 0) > (result.verdict.worst_head_ratio or 0)):
+                                or (verdict.score or 0) > (result.verdict.score or 0)):
         result.verdict = verdict            # the worse of the committed and the fresh inputs' verdicts
     if status != PASSED:
         result.status, result.log = status, what + log

@@ -1,7 +1,7 @@
 """python -m harness.stress --solution NAME [--examples N] [--seed S] [--device auto|cuda|cpu] [--batch-size B]
 [--record]: search the operator's grammar of degenerate inputs for inputs that a solution gets wrong.
 
-Each example is one call (B sequences x the definition's heads) whose programs are drawn from the operator's
+Each example is one call (B batch elements, each several programs) whose programs are drawn from the operator's
 PROGRAM_GRAMMAR (one option of every named axis per program; programs past the drawn list take the plainest option
 of every axis) and CALL_GRAMMAR, with a seed for the values. The solution runs in its sandboxed worker and is judged
 as `harness.run` judges it (same loader, runner, timeouts and judge). Hypothesis drives the search: it shrinks a
@@ -40,9 +40,9 @@ DATABASE = Path(".hypothesis") / "stress"
 class Failure(Exception):
     """One failing example: the choices that made it and what the judge said."""
 
-    def __init__(self, example: dict, status: str, log: str, worst_head_ratio: float | None):
+    def __init__(self, example: dict, status: str, log: str, score: float | None):
         super().__init__(f"{status}: {log}")
-        self.example, self.status, self.log, self.worst_head_ratio = example, status, log, worst_head_ratio
+        self.example, self.status, self.log, self.score = example, status, log, score
 
 
 _FAILURE_KINDS: dict[str, type] = {}
@@ -89,8 +89,6 @@ class Search:
                  solutions_root: str | Path = "solutions"):
         self.defn, self.device = defn, device
         self.op = load_op(defn.op_type)
-        if not hasattr(self.op, "STRESS_FAMILY"):
-            raise HarnessError(f"operator {defn.op_type!r} defines no stress grammar")
         self.sol = load_solution(solution, defn, solutions_root)
         self.var_axes = {"batch_size": batch_size}
         _, n_prefix = program_layout(defn)
@@ -113,7 +111,7 @@ class Search:
         self.worker.fatal = None                # a timed-out or dead worker is restarted for the next example
         if status != PASSED:
             kind = (verdict.extra.get("failure") if verdict is not None else None) or status
-            raise failure_kind(kind)(example, status, log, verdict.worst_head_ratio if verdict else None)
+            raise failure_kind(kind)(example, status, log, verdict.score if verdict else None)
 
     def run(self, n_examples: int, seed: int | None, database: Path | None) -> list[Failure]:
         """Search n_examples examples (from `seed`, or Hypothesis's own randomness after replaying the failures kept
@@ -217,7 +215,7 @@ def execute(args: argparse.Namespace) -> int:
         path = search.reproducer(f, Path(args.out) / name)
         print(f"FAILED {f.status}: {' '.join(f.log.split())[:200]} | {describe(search.op, f.example)} | "
               f"replay: python -m harness.run --solution {name} --workloads {path}", flush=True)
-        rows.append({"status": f.status, "log": f.log, "worst_head_ratio": f.worst_head_ratio,
+        rows.append({"status": f.status, "log": f.log, search.op.WORDING.score_key: f.score,
                      "params": params_of(search.op, f.example), "seed": f.example["seed"], "reproducer": str(path)})
     print(f"{name}: {len(failures)} distinct failure(s) in {search.calls} calls ({args.examples} examples and "
           f"shrinking), {seconds:.0f} s", flush=True)

@@ -60,12 +60,12 @@ def draw_calls(n_calls: int, n_programs: int, pool_programs: int, seed: int, op,
                device="cpu") -> tuple[torch.Tensor, dict]:
     """What the timed calls run on, as a pure function of its arguments on one device and torch build (so that the
     harness sends only the seed into the timed region and judges with its own copy): int64 [n_calls, n_programs],
-    the pool program each program slot of call k takes (no repeats within a call), and, when the operator declares
-    symmetries (`draw_variants` / `apply_variant`), the parameters of the one applied to each call."""
+    the pool program each program slot of call k takes (no repeats within a call), and the parameters of the
+    operator's symmetry (`draw_variants` / `apply_variant`) applied to each call."""
     gen = torch.Generator(device=device).manual_seed(seed)
     keys = torch.rand(n_calls, pool_programs, generator=gen, device=device)
     index = torch.argsort(keys, dim=-1, stable=True)[:, :n_programs]
-    variants = op.draw_variants(n_calls, axes, gen) if hasattr(op, "draw_variants") else {}
+    variants = op.draw_variants(n_calls, axes, gen)
     return index, variants
 
 
@@ -74,7 +74,7 @@ def call_inputs(op, pool: dict, batched, unit: tuple, index: torch.Tensor, varia
     in the shape `unit` of the program axes, under the operator's symmetry k."""
     x = {name: (v.index_select(0, index[k]).reshape(*unit, *v.shape[1:]) if name in batched else v)
          for name, v in pool.items()}
-    return op.apply_variant(x, {n: p[k] for n, p in variants.items()}) if variants else x
+    return op.apply_variant(x, {n: p[k] for n, p in variants.items()})
 
 
 def poison(outputs) -> None:

@@ -15,11 +15,10 @@ import sys
 import tempfile
 
 from harness import HarnessError, cli
-from harness.definition import find_definition
+from harness.definition import default_definition
 from harness.ops import load_op
 from harness.workloads import load_inputs, load_workloads, make_workload, select
 
-DEFINITION = cli.DEFAULT_DEFINITION
 # name -> edits of the reference's code string (old, new): every occurrence of old is replaced, and one must exist
 VARIANTS = {
     "reference, run again": [],
@@ -59,7 +58,7 @@ def main(argv=None) -> int:
     args = cli.parse(add_arguments, "python -m scripts.reference_reorder", argv)
     try:
         device = cli.resolve_device(args.device)
-        defn = find_definition(DEFINITION)
+        defn = default_definition()
         op = load_op(defn.op_type)
         reference = defn.reference_run()
         runs = {name: variant_run(defn.reference, edits, name) for name, edits in VARIANTS.items()}
@@ -72,7 +71,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     dtypes = [spec.torch_dtype for spec in defn.outputs.values()]
-    print(f"{'family':14s} {'B':>4s}  {'variant':28s} {'worst-head ratio':>16s}  verdict")
+    print(f"{'family':14s} {'B':>4s}  {'variant':28s} {op.WORDING.score_label:>16s}  verdict")
     failed = 0
     for w in chosen:
         inputs = load_inputs(defn, w, device, root)
@@ -81,7 +80,7 @@ def main(argv=None) -> int:
             outputs = [t.to(dt) for t, dt in zip(run(**inputs), dtypes)]
             v = op.judge(inputs, outputs, ref_out)
             failed += not v.passed
-            ratio = "-" if v.worst_head_ratio is None else f"{v.worst_head_ratio:.4f}"
+            ratio = "-" if v.score is None else f"{v.score:.4f}"
             print(f"{w.family:14s} {w.axes['batch_size']:4d}  {name:28s} {ratio:>16s}  "
                   f"{'PASSED' if v.passed else 'FAILED: ' + v.reason}", flush=True)
     print(f"{failed} of {len(chosen) * len(runs)} judgements failed")

@@ -41,7 +41,7 @@ def test_edge_holds_every_kind(defn):
     x = _inputs(defn, "edge", 1, 3)
     s = op.exact_state(x)[0]
     scale = s.abs().mean((-2, -1))
-    kinds = op._edge_kinds(1, s.shape[0], s.device)[0]
+    kinds = op.edge_kinds(1, s.shape[0], s.device)[0]
     by_kind = {k: scale[kinds == i] for i, k in enumerate(op.EDGE_KINDS)}
     assert (by_kind["zero"] == 0).all()
     assert (by_kind["tiny"] < 1e-3).all() and (by_kind["tinier"] < 1e-5).all()
@@ -74,7 +74,7 @@ def _requantize(x, ref_out, residual=lambda e: e, rounding=torch.round):
 
 
 def _bf16_decayed_keys(defn, x):
-    d = op._decay_history(x["gbuf"].double())
+    d = op.decay_history(x["gbuf"].double())
     planted = dict(x, kbuf=(x["kbuf"].double() * d).to(torch.bfloat16), gbuf=torch.ones_like(x["gbuf"]))
     return defn.reference_run()(**planted)
 
@@ -136,7 +136,7 @@ def test_swapped_scales_rejected(defn):
 def test_zero_head_must_decode_exactly(defn):
     x = _inputs(defn, "edge", 1, 4)
     ref = defn.reference_run()(**x)
-    zero = int((op._edge_kinds(1, 32, "cpu")[0] == op.EDGE_KINDS.index("zero")).nonzero()[0])
+    zero = int((op.edge_kinds(1, 32, "cpu")[0] == op.EDGE_KINDS.index("zero")).nonzero()[0])
     u, q = ref[3].clone(), ref[4].clone()
     u[0, zero, 0, 0], q[0, zero, 0, 0] = 1e-3, 1.0
     v = op.judge(x, ref[:3] + (u, q), ref)

@@ -3,6 +3,7 @@ import json
 from pathlib import Path
 
 from harness import report
+from harness.ops import leapquant_kda_flush as op
 
 
 def _trace(solution, batch, family, latency, ref, status="PASSED", ratio=1.002, hardware="NVIDIA_H200", sha="abc"):
@@ -21,7 +22,7 @@ def test_summary_and_rows():
     traces = [_trace("reference", 64, f, 3.0, 3.0) for f in ("a", "b")]
     traces += [_trace("fast", 64, "a", 0.05, 3.0, ratio=1.004), _trace("fast", 64, "b", 0.1, 3.0)]
     traces += [_trace("fast", 128, "a", None, None, status="TIMEOUT")]
-    text, series = report.build(traces, current={("d", "fast"): "abc", ("d", "reference"): "abc"})
+    text, series = report.build(traces, op, current={("d", "fast"): "abc", ("d", "reference"): "abc"})
     summary = next(line for line in text.splitlines() if line.startswith("| fast "))
     cells = [c.strip() for c in summary.strip("|").split("|")]
     # 3 workloads, 2 passed; speedups 60 and 30: geomean 42.43; fast_1 = fast_10 = fast_30 share 2/3 (30 is not > 30)
@@ -48,7 +49,7 @@ def test_every_solution_against_the_fastest_measured_copy_rate():
     other_hw["evaluation"]["performance"]["floor_ms"] = 0.01
     traces = [slow_copy, _trace("reference", 64, "a", 3.0, 3.0), other_hw]
     assert report.best_floors(traces) == {("NVIDIA_H200", 64): 0.025, ("NVIDIA_B200", 64): 0.01}
-    text, series = report.build(traces, current={})
+    text, series = report.build(traces, op, current={})
     row = next(line for line in text.splitlines() if line.startswith("| fast ") and "| PASSED " in line)
     assert "| 4.00 " in row                                            # 0.1 ms over 0.025 ms, not over 0.05 ms
 
@@ -69,7 +70,7 @@ def test_cpu_traces_left_out(tmp_path):
 
 
 def test_committed_leaderboard_is_current():
-    text, _ = report.leaderboard()
+    text, _ = report.leaderboard(op)
     assert Path("LEADERBOARD.md").read_text() == text, "stale: run `python -m harness.report` and commit"
 
 
@@ -95,11 +96,11 @@ def _stress(failures):
 
 def test_deployment_drift_and_stress_sections():
     current = {("d", "fast"): "abc"}
-    text, _ = report.build([], current=current)
+    text, _ = report.build([], op, current=current)
     assert "## Deployment form" in text and "## Drift over many windows" in text
     assert "## Search for breaking inputs" in text
     assert text.count("Nothing recorded yet") == 3
-    text, _ = report.build([], current=current, deploy=[_deploy(sha="old")], drift=[_drift(1.02)])
+    text, _ = report.build([], op, current=current, deploy=[_deploy(sha="old")], drift=[_drift(1.02)])
     lines = text.splitlines()
     all_due = next(line for line in lines if "| all due " in line)
     assert all(f"| {c} " in all_due for c in ("fast", "older: re-run", "64", "2048", "300.0", "27.0", "11.11", "yes"))
@@ -111,11 +112,11 @@ def test_deployment_drift_and_stress_sections():
     assert "| current " in worst and "| 1.0200 " in worst and "1.01 EXCEEDED" in worst
     assert text.count("Nothing recorded yet") == 1
     failure = {"status": "INCORRECT_NUMERICAL", "log": "non-finite values in u_new at (batch 0, head 3)"}
-    text, _ = report.build([], current=current, stress=[_stress([failure, failure])])
+    text, _ = report.build([], op, current=current, stress=[_stress([failure, failure])])
     searched = next(line for line in text.splitlines() if line.startswith("| fast ") and "| 340 " in line)
     assert all(f"| {c} " in searched for c in ("current", "NVIDIA_H200", "300", "2 FAILED"))
     assert "non-finite values in u_new" in searched
-    text, _ = report.build([], current=current, stress=[_stress([])])
+    text, _ = report.build([], op, current=current, stress=[_stress([])])
     assert "| clean " in next(line for line in text.splitlines() if "| 340 " in line)
 
 

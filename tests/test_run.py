@@ -6,6 +6,7 @@ import pytest
 
 from conftest import DEFINITION
 from harness import run
+from harness.ops import leapquant_kda_flush as op
 from harness.definition import find_definition
 from harness.solutions import discover, load_solution, source_sha256
 from harness.workloads import load_workloads, select, workloads_path
@@ -69,7 +70,7 @@ def test_table_shows_the_floor_and_the_ratio_when_timed():
     w = Workload("d", "u", {"batch_size": 64}, {}, "random", 1, "")
     timed = Result("fast", w, "PASSED", latency_ms=0.1, floor_ms=0.025)
     untimed = Result("cpu", w, "PASSED")
-    rows = {line.split()[0]: line.split() for line in run.table([timed, untimed]).splitlines()[2:]}
+    rows = {line.split()[0]: line.split() for line in run.table([timed, untimed], op).splitlines()[2:]}
     assert rows["fast"][5:8] == ["100.0", "25.0", "4.00"]
     assert rows["cpu"][5:8] == ["-", "-", "-"]
 

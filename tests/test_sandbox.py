@@ -328,7 +328,7 @@ def test_a_detached_process_dies_with_the_worker(defn, one, tmp_path):
 
 # 4. A forged judge: bytecode planted beside the operator module, the definition edited ----------------------------
 
-JUDGE = "harness/ops/leapquant_kda_flush.py"
+JUDGE = "harness/ops/leapquant_kda_flush/criterion.py"
 
 FORGER = '''
 import hashlib

@@ -1,21 +1,12 @@
-"""Operator modules: everything specific to one `op_type` (input families, decode, criterion) lives in
-`harness/ops/<op_type>.py`. The generic core reaches them only through `load_op` and this interface:
-
-    FAMILIES: tuple[str, ...]
-    FAMILY_BATCH_SIZES: dict[str, tuple[int, ...]]   # families committed at fewer than the default batch sizes
-    make_inputs(family, axes, seed, device, params=None) -> dict[str, Tensor]   # pure function of its arguments;
-                                                                 # ValueError for params the family does not take
-    judge(inputs, outputs, reference_outputs) -> Verdict         # outputs already shape/dtype checked
-    STRESS_FAMILY, PROGRAM_GRAMMAR, CALL_GRAMMAR                 # harness.stress: the family whose params
-                                                                 # {"programs": [...], "call": {...}} name, per
-                                                                 # program and per call, an option of each axis
-"""
+"""Operator packages: everything specific to one `op_type` (input families, decode, criterion, the words for its
+concepts) lives in `harness/ops/<op_type>/`. The generic core reaches an operator only through `load_op`, which
+returns it as an `Operator`: the names below are all the core may use, and a package lacking one does not load."""
 from __future__ import annotations
 
 import importlib
 import re
 from dataclasses import dataclass, field
-from types import ModuleType
+from typing import Any, Callable, Iterator, Protocol
 
 from harness import HarnessError
 
@@ -24,18 +15,82 @@ from harness import HarnessError
 class Verdict:
     passed: bool
     reason: str                                   # one line; empty when passed
-    worst_head_ratio: float | None                # max over judged heads of err_candidate / err_reference
+    score: float | None                           # the operator's headline figure (WORDING.score_*), higher is
+                                                  # worse; None when the inputs leave nothing to score
     max_absolute_error: float
     max_relative_error: float
     extra: dict = field(default_factory=dict)     # op-specific figures that go into the trace
 
 
-def load_op(op_type: str) -> ModuleType:
+@dataclass(frozen=True)
+class Wording:
+    """The operator's words in the harness's output, so that the core names none of its concepts."""
+    score_key: str          # Verdict.score's key in Verdict.extra, and so in traces and in the stress and drift records
+    score_label: str        # Verdict.score's column header
+    score_of: str           # what Verdict.score is the worst of, in drift's progress lines
+    batch_unit: str         # the programs of one batch element, formatted with the definition's axes
+    stress_subject: str     # what the stress grammar draws, in the leaderboard
+    drift_intro: str        # the leaderboard's paragraph on the drift records
+    deployment_intro: str   # the leaderboard's paragraph on the deployment records
+
+
+class Operator(Protocol):
+    """What an operator package provides; harness/ops/leapquant_kda_flush/ is the one there is."""
+
+    FAMILIES: tuple[str, ...]
+    FAMILY_BATCH_SIZES: dict[str, tuple[int, ...]]      # families committed at fewer than the default batch sizes
+    # harness.stress: the family whose params {"programs": [...], "call": {...}} name, per program and per call, an
+    # option of each axis of these grammars (the first option of each the plainest)
+    STRESS_FAMILY: str
+    PROGRAM_GRAMMAR: dict[str, tuple]
+    CALL_GRAMMAR: dict[str, tuple]
+    DRIFT_LIMIT: float                                  # harness.drift: the most a window's error ratio may be
+    # the deployment form (harness.deploy, harness.deploy_bench): Pool(num_slots, device) holds the CHECKPOINT and
+    # WINDOW fields and `count` per slot; a flush writes WINDOW_RESET into the windows it flushed; a sequence is due
+    # for a flush every `DUE_EVERY` (an axis of the definition) decode steps; the inputs POOL_CALL_ARGS, not kept in
+    # the pool, are the call's arguments after pool and idx
+    Pool: type
+    DUE_EVERY: str
+    POOL_CALL_ARGS: tuple[str, ...]
+    CHECKPOINT: tuple[str, ...]
+    WINDOW: tuple[str, ...]
+    WINDOW_RESET: dict[str, float]
+    WORDING: Wording
+
+    def make_inputs(self, family: str, axes: dict, seed: int, device: Any = "cpu",
+                    params: dict | None = None) -> dict:
+        """A pure function of its arguments; ValueError for params the family does not take."""
+
+    def judge(self, inputs: dict, outputs: tuple, reference_outputs: tuple) -> Verdict:
+        """Outputs already shape and dtype checked."""
+
+    def draw_variants(self, n: int, axes: dict, generator: Any) -> dict:
+        """harness.timing: the parameters of n symmetries, one per timed call, drawn from generator."""
+
+    def apply_variant(self, x: dict, variant: dict) -> dict:
+        """harness.timing: the inputs x under one symmetry."""
+
+    def drift(self, flush: Callable, reference: Callable, axes: dict, windows: int, seed: int,
+              device: Any = "cpu") -> Iterator[dict]:
+        """harness.drift: per window {"window", "error", "reference_error", "ratio", WORDING.score_key}."""
+
+    def check_idx(self, pool: Any, idx: Any) -> None:
+        """The caller's contract on a deployment call's slots; ValueError in one line."""
+
+
+REQUIRED = tuple(sorted({*Operator.__annotations__, *(n for n in vars(Operator) if not n.startswith("_"))}))
+
+
+def load_op(op_type: str) -> Operator:
     if not re.fullmatch(r"[a-z][a-z0-9_]*", op_type):
         raise HarnessError(f"op_type {op_type!r} is not a module name")
     try:
-        return importlib.import_module(f"harness.ops.{op_type}")
+        module = importlib.import_module(f"harness.ops.{op_type}")
     except ModuleNotFoundError as e:
         if e.name == f"harness.ops.{op_type}":
-            raise HarnessError(f"no operator module harness/ops/{op_type}.py for op_type {op_type!r}") from None
+            raise HarnessError(f"no operator package harness/ops/{op_type}/ for op_type {op_type!r}") from None
         raise
+    missing = [name for name in REQUIRED if not hasattr(module, name)]
+    if missing:
+        raise HarnessError(f"operator {op_type!r} does not provide {', '.join(missing)} (harness.ops.Operator)")
+    return module
