@@ -36,6 +36,7 @@ import torch
 from harness import HarnessError, cli, deploy, timing, traces
 from harness.definition import find_definition
 from harness.ops import load_op
+from harness.records import DeployRecord
 from harness.runner import INCORRECT_NUMERICAL, PASSED, RUNTIME_ERROR, Worker, program_layout
 from harness.solutions import load_solution
 from harness.workloads import load_inputs, load_workloads, select
@@ -241,13 +242,13 @@ def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, 
         torch.cuda.empty_cache()
     if not timed:
         return 0 if passed else 1
-    record = {"definition": defn.name, "solution": worker.sol.name, "solution_sha256": worker.sha256,
-              "sandbox": worker.isolation, "environment": traces.environment("cuda"), "family": args.family,
-              "copy_bandwidth": bandwidth, "bytes_per_program": per_program, "timed_calls": timing.REPLAY_CALLS,
-              "empty_graph_us": empty_us, "rows": rows}
+    record = DeployRecord(definition=defn.name, solution=worker.sol.name, solution_sha256=worker.sha256,
+                          sandbox=worker.isolation, environment=traces.environment("cuda"), family=args.family,
+                          copy_bandwidth=bandwidth, bytes_per_program=per_program, timed_calls=timing.REPLAY_CALLS,
+                          empty_graph_us=empty_us, rows=rows)
     path = Path(args.traces) / defn.name / f"deploy_{worker.sol.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
     print(f"wrote {path}")
     return 0 if passed else 1
 

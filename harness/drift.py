@@ -17,6 +17,7 @@ from harness import HarnessError, cli, traces
 from harness.cli import resolve_device
 from harness.definition import default_definition, find_definition
 from harness.ops import load_op
+from harness.records import DriftRecord
 from harness.runner import PASSED, Worker, check_outputs
 from harness.solutions import load_solution
 
@@ -94,13 +95,12 @@ def execute(args: argparse.Namespace) -> int:
                    disable_numparse=True))
     print(f"\nworst window {worst['window']}: ratio {worst['ratio']:.4f} (limit {limit})")
     if args.record:
-        record = {"definition": defn.name, "solution": sol.name, "solution_sha256": worker.sha256,
-                  "environment": traces.environment(device), "windows": args.windows,
-                  "batch_size": args.batch_size, "seed": args.seed, "limit": limit, "worst": worst,
-                  "rows": rows}
+        record = DriftRecord(definition=defn.name, solution=sol.name, solution_sha256=worker.sha256,
+                             environment=traces.environment(device), windows=args.windows,
+                             batch_size=args.batch_size, seed=args.seed, limit=limit, worst=worst, rows=rows)
         path = Path(args.traces) / defn.name / f"drift_{sol.name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1) + "\n")
+        path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
         print(f"wrote {path}")
     return 0 if worst["ratio"] <= limit else 1
 

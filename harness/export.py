@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from harness import HarnessError, cli
 from harness.definition import PINS, load_definition
+from harness.records import BuildSpec, SolutionRecord, SourceFile
 from harness.solutions import REFERENCE, discover, load_solution
 from harness.traces import TRACES, load_traces
 from harness.workloads import load_inputs, load_workloads, save_workloads, select, workloads_path
@@ -47,25 +48,27 @@ def export(out: Path, root: Path = Path("."), blobs: bool = True, batch_sizes=No
         for name in discover(defn, root / "solutions"):
             sol = load_solution(name, defn, root / "solutions")
             lines += [t for t in load_traces(defn.name, name, root / TRACES)
-                      if uuids is None or t["workload"]["uuid"] in uuids]
+                      if uuids is None or t.workload.uuid in uuids]
             if sol.is_reference:
-                raw = {"name": REFERENCE, "definition": defn.name, "author": "definition",
-                       "description": "the definition's reference code",
-                       "spec": {"language": "python", "target_hardware": ["CPU", "NVIDIA_H200"],
-                                "entry_point": "reference.py::run", "destination_passing_style": False,
-                                "dependencies": ["torch"]},
-                       "sources": [{"path": "reference.py", "content": defn.reference}]}
-            else:
-                raw = dict(sol.raw, sources=[{"path": p, "content": (sol.folder / p).read_text()}
-                                             for p in sol.sources])
-                raw["spec"] = dict(raw["spec"], destination_passing_style=sol.destination_passing_style)
+                record = SolutionRecord(
+                    name=REFERENCE, definition=defn.name, author="definition",
+                    description="the definition's reference code",
+                    spec=BuildSpec(language="python", target_hardware=["CPU", "NVIDIA_H200"],
+                                   entry_point="reference.py::run", destination_passing_style=False,
+                                   dependencies=["torch"]),
+                    sources=[SourceFile(path="reference.py", content=defn.reference)])
+            else:       # the sources inline, as FlashInfer-bench carries them
+                record = sol.record.model_copy(update={
+                    "sources": [SourceFile(path=p, content=(sol.folder / p).read_text()) for p in sol.sources]})
+            raw = record.to_json()
             dest = out / "solutions" / sub / defn.name / f"{name}.json"
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(json.dumps(raw, indent=2))
             counts["solutions"] += 1
         if lines:
             (out / "traces" / sub).mkdir(parents=True, exist_ok=True)
-            (out / "traces" / sub / f"{defn.name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in lines))
+            (out / "traces" / sub / f"{defn.name}.jsonl").write_text(
+                "".join(json.dumps(t.to_json()) + "\n" for t in lines))
             counts["traces"] += len(lines)
     return counts
 

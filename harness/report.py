@@ -12,7 +12,6 @@ the default definition's operator."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -25,30 +24,26 @@ from harness import HarnessError, cli
 from harness.definition import default_definition, find_definition
 from harness.ops import Operator, load_op
 from harness.solutions import load_solution, source_sha256
-from harness.traces import TRACES
+from harness.records import (RECORDS, DeployRecord, DriftRecord, EvaluationStatus, SolutionRun, StressRecord, Trace,
+                             parse, read_json)
+from harness.traces import TRACES, read_traces
 
+PASSED = EvaluationStatus.PASSED
 LEADERBOARD = Path("LEADERBOARD.md")
 PLOT = Path("leaderboard.png")
 FAST_P = (1, 10, 30, 100)
 
 
-def load_all(root: Path = TRACES) -> list[dict]:
+def load_all(root: Path = TRACES) -> list[Trace]:
     """Every timed trace under root (CPU traces, with no latency, are left out)."""
-    out = []
-    for path in sorted(Path(root).glob("*/*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                t = json.loads(line)
-                perf = t["evaluation"].get("performance") or {}
-                if t["evaluation"]["status"] != "PASSED" or perf.get("latency_ms"):
-                    if not t["evaluation"]["environment"]["hardware"].startswith("CPU"):
-                        out.append(t)
-    return out
+    return [t for path in sorted(Path(root).glob("*/*.jsonl")) for t in read_traces(path)
+            if not t.hardware.startswith("CPU")
+            and (t.evaluation.status != PASSED or t.evaluation.performance and t.evaluation.performance.latency_ms)]
 
 
-def load_records(kind: str, root: Path = TRACES) -> list[dict]:
-    """Every `<kind>_<solution>.json` record under root (deploy, drift), in path order."""
-    return [json.loads(path.read_text()) for path in sorted(Path(root).glob(f"*/{kind}_*.json"))]
+def load_records(kind: str, root: Path = TRACES) -> list[SolutionRun]:
+    """Every `<kind>_<solution>.json` record under root (deploy, drift, stress), in path order."""
+    return [parse(RECORDS[kind], read_json(path), str(path)) for path in sorted(Path(root).glob(f"*/{kind}_*.json"))]
 
 
 def leaderboard(op: Operator, root: Path = TRACES) -> tuple[str, dict]:
@@ -58,17 +53,17 @@ def leaderboard(op: Operator, root: Path = TRACES) -> tuple[str, dict]:
                  stress=load_records("stress", root))
 
 
-def _batch(t: dict) -> int:
-    return t["workload"]["axes"]["batch_size"]
+def _batch(t: Trace) -> int:
+    return t.workload.axes["batch_size"]
 
 
 def _geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
-def sources_state(traces: list[dict], current: str | None) -> str:
+def sources_state(traces: list[Trace | SolutionRun], current: str | None) -> str:
     """Whether a solution's traces were measured on its current sources (by the hash each trace records)."""
-    measured = {t.get("solution_sha256") for t in traces}
+    measured = {t.solution_sha256 for t in traces}
     if current is None:
         return "removed"
     if None in measured:
@@ -76,17 +71,16 @@ def sources_state(traces: list[dict], current: str | None) -> str:
     return "current" if measured == {current} else "older: re-run"
 
 
-def isolation_state(traces: list[dict]) -> str:
+def isolation_state(traces: list[Trace]) -> str:
     """How the solution's recorded runs were isolated (harness.sandbox): "bwrap", or the downgrade, loudly."""
-    states = {t["evaluation"]["environment"].get("sandbox", "UNSANDBOXED (recorded without isolation)")
-              for t in traces}
+    states = {t.evaluation.environment.sandbox or "UNSANDBOXED (recorded without isolation)" for t in traces}
     return "bwrap" if states == {"bwrap"} else "; ".join(sorted(s if s == "bwrap" else s.upper() for s in states))
 
 
-def current_hashes(traces: list[dict]) -> dict[str, str | None]:
+def current_hashes(traces: list[Trace | SolutionRun]) -> dict[str, str | None]:
     """(definition, solution) -> the sha256 of the solution's sources now (None when it no longer loads)."""
     out = {}
-    for definition, solution in {(t["definition"], t["solution"]) for t in traces}:
+    for definition, solution in {(t.definition, t.solution) for t in traces}:
         try:
             defn = find_definition(definition)
             out[definition, solution] = source_sha256(load_solution(solution, defn), defn)
@@ -106,18 +100,17 @@ def _records_section(title: str, intro: str, nothing_yet: str, headers: list[str
     return parts + [tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), ""]
 
 
-def deployment_section(records: list[dict], current: dict, op: Operator) -> list[str]:
+def deployment_section(records: list[DeployRecord], current: dict, op: Operator) -> list[str]:
     rows = []
     for r in records:
-        state = sources_state([r], current.get((r["definition"], r["solution"])))
-        for row in r["rows"]:
-            rows.append([r["solution"], state, r["environment"]["hardware"], row["case"], row["batch_size"],
-                         row["due_programs"], f"{row['median_us']:.1f}", _fmt(row["floor_us"], ".1f"),
-                         _fmt(row["x_floor"], ".2f"), _fmt(row.get("target_us"), ".1f"),
-                         "yes" if row["checked"] else "FAILED"])
-        if "empty_graph_us" in r:
-            rows.append([r["solution"], state, r["environment"]["hardware"], "empty kernel (timer floor)", "-", "-",
-                         f"{r['empty_graph_us']:.1f}", "-", "-", "-", "-"])
+        state = sources_state([r], current.get((r.definition, r.solution)))
+        for row in r.rows:
+            rows.append([r.solution, state, r.environment.hardware, row.case, row.batch_size, row.due_programs,
+                         f"{row.median_us:.1f}", _fmt(row.floor_us, ".1f"), _fmt(row.x_floor, ".2f"),
+                         _fmt(row.target_us, ".1f"), "yes" if row.checked else "FAILED"])
+        if r.empty_graph_us is not None:
+            rows.append([r.solution, state, r.environment.hardware, "empty kernel (timer floor)", "-", "-",
+                         f"{r.empty_graph_us:.1f}", "-", "-", "-", "-"])
     return _records_section(
         "Deployment form", op.WORDING.deployment_intro,
         "run `python -m harness deploy --solution NAME` on a GPU.",
@@ -125,14 +118,14 @@ def deployment_section(records: list[dict], current: dict, op: Operator) -> list
          "target us", "checked"], rows)
 
 
-def drift_section(records: list[dict], current: dict, op: Operator) -> list[str]:
+def drift_section(records: list[DriftRecord], current: dict, op: Operator) -> list[str]:
     rows = []
     for r in records:
-        w = r["worst"]
-        rows.append([r["solution"], sources_state([r], current.get((r["definition"], r["solution"]))),
-                     r["environment"]["hardware"], r["windows"], r["batch_size"], w["window"], f"{w['error']:.4g}",
-                     f"{w['reference_error']:.4g}", f"{w['ratio']:.4f}", _fmt(w[op.WORDING.score_key], ".4f"),
-                     f"{r['limit']}" + ("" if w["ratio"] <= r["limit"] else " EXCEEDED")])
+        w = r.worst
+        rows.append([r.solution, sources_state([r], current.get((r.definition, r.solution))),
+                     r.environment.hardware, r.windows, r.batch_size, w.window, f"{w.error:.4g}",
+                     f"{w.reference_error:.4g}", f"{w.ratio:.4f}", _fmt(getattr(w, op.WORDING.score_key, None), ".4f"),
+                     f"{r.limit}" + ("" if w.ratio <= r.limit else " EXCEEDED")])
     return _records_section(
         "Drift over many windows", op.WORDING.drift_intro,
         "run `python -m harness.drift --solution NAME --windows 64 --batch-size 16 --device cuda --record`.",
@@ -140,15 +133,14 @@ def drift_section(records: list[dict], current: dict, op: Operator) -> list[str]
          "ratio", op.WORDING.score_label, "limit"], rows)
 
 
-def stress_section(records: list[dict], current: dict, op: Operator) -> list[str]:
+def stress_section(records: list[StressRecord], current: dict, op: Operator) -> list[str]:
     rows = []
     for r in records:
-        failures = r["failures"]
-        first = failures[0] if failures else None
-        rows.append([r["solution"], sources_state([r], current.get((r["definition"], r["solution"]))),
-                     r["environment"]["hardware"], r["examples"], r["calls"], r["batch_size"],
-                     "clean" if not failures else f"{len(failures)} FAILED",
-                     "-" if first is None else f"{first['status']}: {' '.join(first['log'].split())[:80]}"])
+        first = r.failures[0] if r.failures else None
+        rows.append([r.solution, sources_state([r], current.get((r.definition, r.solution))),
+                     r.environment.hardware, r.examples, r.calls, r.batch_size,
+                     "clean" if not r.failures else f"{len(r.failures)} FAILED",
+                     "-" if first is None else f"{first.status}: {' '.join(first.log.split())[:80]}"])
     return _records_section(
         "Search for breaking inputs",
         "`python -m harness.stress --record`: a property-based search (Hypothesis) over the operator's grammar of "
@@ -158,28 +150,28 @@ def stress_section(records: list[dict], current: dict, op: Operator) -> list[str
         ["solution", "measured sources", "hardware", "examples", "calls", "B", "outcome", "first failure"], rows)
 
 
-def best_floors(traces: list[dict]) -> dict:
+def best_floors(traces: list[Trace]) -> dict:
     """{(hardware, batch size): memory floor ms} at the fastest copy rate any run on that hardware measured: a copy
     can only come out slow (something else on the GPU, clocks ramping up), so the fastest is the truest ceiling,
     and every solution is then compared against the same floor."""
     floors: dict = {}
     for t in traces:
-        perf = t["evaluation"].get("performance") or {}
-        if t["evaluation"]["status"] == "PASSED" and perf.get("floor_ms"):
-            key = (t["evaluation"]["environment"]["hardware"], _batch(t))
-            floors[key] = min(floors.get(key, math.inf), perf["floor_ms"])
+        perf = t.evaluation.performance
+        if t.evaluation.status == PASSED and perf and perf.floor_ms:
+            key = (t.hardware, _batch(t))
+            floors[key] = min(floors.get(key, math.inf), perf.floor_ms)
     return floors
 
 
-def build(traces: list[dict], op: Operator, current: dict | None = None, deploy: list[dict] = (),
-          drift: list[dict] = (), stress: list[dict] = ()) -> tuple[str, dict]:
+def build(traces: list[Trace], op: Operator, current: dict | None = None, deploy: list[DeployRecord] = (),
+          drift: list[DriftRecord] = (), stress: list[StressRecord] = ()) -> tuple[str, dict]:
     """The leaderboard's markdown and the plot's series {solution: [(batch, median latency ms)]} (+ 'floor'), from
     the traces and the deploy and drift records, in the words of the operator `op`. `current` maps (definition,
     solution) to its sources' hash now (default: read from the repository)."""
     current = current_hashes([*traces, *deploy, *drift, *stress]) if current is None else current
     by_def = defaultdict(list)
     for t in traces:
-        by_def[t["definition"]].append(t)
+        by_def[t.definition].append(t)
     series: dict = {}
     parts = ["# Leaderboard", "",
                      "Rebuilt from `traces/` by `python -m harness.report`; CI fails when this file is stale. "
@@ -194,30 +186,26 @@ def build(traces: list[dict], op: Operator, current: dict | None = None, deploy:
         parts += [f"## {definition}", "", f"![latency against batch size]({PLOT.as_posix()})", ""]
         floors = best_floors(ts)
         summary, rows = [], []
-        envs = {json.dumps(t["evaluation"]["environment"], sort_keys=True) for t in ts}
-        solutions = sorted({t["solution"] for t in ts}, key=lambda s: (s != "reference", s))
+        envs = {(t.hardware, tuple(sorted(t.evaluation.environment.libs.items()))) for t in ts}
+        solutions = sorted({t.solution for t in ts}, key=lambda s: (s != "reference", s))
         for sol in solutions:
-            mine = [t for t in ts if t["solution"] == sol]
-            speedups = [t["evaluation"]["performance"]["speedup_factor"] for t in mine
-                        if t["evaluation"]["status"] == "PASSED" and t["evaluation"]["performance"]["speedup_factor"]]
-            fast = [sum(1 for t in mine if t["evaluation"]["status"] == "PASSED"
-                        and t["evaluation"]["performance"]["speedup_factor"] > p) / len(mine) for p in FAST_P]
-            g = _geomean(speedups)
+            mine = [t for t in ts if t.solution == sol]
+            passed_speedups = [t.evaluation.performance.speedup_factor for t in mine if t.evaluation.status == PASSED]
+            fast = [sum(1 for sp in passed_speedups if sp > p) / len(mine) for p in FAST_P]
+            g = _geomean([sp for sp in passed_speedups if sp])
             summary.append([sol, sources_state(mine, current.get((definition, sol))), isolation_state(mine), len(mine),
-                            sum(t["evaluation"]["status"] == "PASSED" for t in mine),
-                            f"{g:.2f}" if g else "-"] + [f"{f:.2f}" for f in fast])
+                            len(passed_speedups), f"{g:.2f}" if g else "-"] + [f"{f:.2f}" for f in fast])
             for b in sorted({_batch(t) for t in mine}):
                 at = [t for t in mine if _batch(t) == b]
-                passed = [t for t in at if t["evaluation"]["status"] == "PASSED"]
-                failed = sorted({t["evaluation"]["status"] for t in at} - {"PASSED"})
-                status = "PASSED" if not failed else ", ".join(failed) + f" ({len(at) - len(passed)}/{len(at)})"
-                perf = [t["evaluation"]["performance"] for t in passed]
-                lat = statistics.median(p["latency_ms"] for p in perf) if perf else None
-                floor = floors.get((at[0]["evaluation"]["environment"]["hardware"], b))
-                ratios = [t["evaluation"]["correctness"]["extra"].get(op.WORDING.score_key) for t in passed]
+                passed = [t for t in at if t.evaluation.status == PASSED]
+                failed = sorted({str(t.evaluation.status) for t in at} - {PASSED})
+                status = PASSED if not failed else ", ".join(failed) + f" ({len(at) - len(passed)}/{len(at)})"
+                perf = [t.evaluation.performance for t in passed]
+                lat = statistics.median(p.latency_ms for p in perf) if perf else None
+                floor = floors.get((at[0].hardware, b))
+                ratios = [t.evaluation.correctness.extra.get(op.WORDING.score_key) for t in passed]
                 ratios = [r for r in ratios if r is not None]
-                sp = _geomean([t["evaluation"]["performance"]["speedup_factor"] for t in passed
-                               if t["evaluation"]["performance"]["speedup_factor"]])
+                sp = _geomean([p.speedup_factor for p in perf if p.speedup_factor])
                 rows.append([sol, b, status, f"{lat * 1e3:.1f}" if lat else "-",
                              f"{lat / floor:.2f}" if lat and floor else "-", f"{sp:.1f}" if sp else "-",
                              f"{max(ratios):.4f}" if ratios else "-"])
@@ -234,8 +222,7 @@ def build(traces: list[dict], op: Operator, current: dict | None = None, deploy:
                   tabulate(rows, headers=["solution", "B", "status", "latency us", "x floor", "speedup",
                                           op.WORDING.score_label], tablefmt="github", disable_numparse=True), "",
                   "### Environment", ""]
-        for line in sorted({f"- {e['hardware']}: " + ", ".join(f"{k} {v}" for k, v in sorted(e["libs"].items()))
-                            for e in map(json.loads, envs)}):
+        for line in sorted({f"- {hardware}: " + ", ".join(f"{k} {v}" for k, v in libs) for hardware, libs in envs}):
             parts.append(line)
         parts.append("")
     if not traces:
@@ -292,10 +279,10 @@ def execute(args: argparse.Namespace) -> int:
     try:
         defn = default_definition()
         op = load_op(defn.op_type)
+        text, series = leaderboard(op, traces_root)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text, series = leaderboard(op, traces_root)
     if args.check:
         current = board.read_text() if board.exists() else ""
         if current != text:

@@ -149,6 +149,11 @@ def execute(args: argparse.Namespace) -> int:
         if fresh:
             workloads = [make_workload(defn, w.family, w.axes, args.seed, root, device, w.params)
                          for w in workloads]
+        timed = device == "cuda" and not fresh
+        trace_root = (None if args.no_traces or fresh else Path(args.traces) if args.traces
+                      else traces.TRACES if timed and not args.workloads else None)
+        for name in [REFERENCE, *(s.name for s in solutions)] if trace_root is not None else ():
+            traces.load_traces(defn.name, name, trace_root)     # a malformed trace file stops the run before it starts
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -156,9 +161,6 @@ def execute(args: argparse.Namespace) -> int:
         for sol in [s for s in solutions if s.language == "cuda"]:
             print(f"skipping {sol.name}: a CUDA solution needs a GPU", flush=True)
         solutions = [s for s in solutions if s.language != "cuda"]
-    timed = device == "cuda" and not fresh
-    trace_root = (None if args.no_traces or fresh else Path(args.traces) if args.traces
-                  else traces.TRACES if timed and not args.workloads else None)
     env = traces.environment(device)
     run_seed = args.run_seed if args.run_seed is not None else int.from_bytes(os.urandom(7), "little")
     print(f"{defn.name}: {len(solutions)} solution(s) x {len(workloads)} workload(s) on {device} "

@@ -25,16 +25,17 @@ import torch
 from harness import HarnessError, sandbox, timing, wire
 from harness.definition import Definition
 from harness.ops import Verdict, load_op
+from harness.records import EvaluationStatus
 from harness.solutions import Solution, null_solution
 from harness.workloads import Workload, generate_tensors, load_inputs
 
-PASSED = "PASSED"
-INCORRECT_SHAPE = "INCORRECT_SHAPE"
-INCORRECT_DTYPE = "INCORRECT_DTYPE"
-INCORRECT_NUMERICAL = "INCORRECT_NUMERICAL"
-RUNTIME_ERROR = "RUNTIME_ERROR"
-COMPILE_ERROR = "COMPILE_ERROR"
-TIMEOUT = "TIMEOUT"
+PASSED = EvaluationStatus.PASSED
+INCORRECT_SHAPE = EvaluationStatus.INCORRECT_SHAPE
+INCORRECT_DTYPE = EvaluationStatus.INCORRECT_DTYPE
+INCORRECT_NUMERICAL = EvaluationStatus.INCORRECT_NUMERICAL
+RUNTIME_ERROR = EvaluationStatus.RUNTIME_ERROR
+COMPILE_ERROR = EvaluationStatus.COMPILE_ERROR
+TIMEOUT = EvaluationStatus.TIMEOUT
 STOP_GRACE_S = 2.0
 JUDGED_PROGRAMS = 1 << 14       # programs the judge takes at once when it checks the timed calls
 
@@ -43,7 +44,7 @@ JUDGED_PROGRAMS = 1 << 14       # programs the judge takes at once when it check
 class Result:
     solution: str
     workload: Workload
-    status: str
+    status: EvaluationStatus
     log: str = ""
     verdict: Verdict | None = None
     latency_ms: float | None = None     # median kernel time on the GPU
@@ -88,7 +89,7 @@ class Worker:
             child.close()
         self.output = collections.deque(maxlen=20)
         threading.Thread(target=self._drain, args=(self.proc.stdout, self.output), daemon=True).start()
-        wire.send(self.sock, {"definition": self.defn.raw, "solution": self.sol.worker_spec(),
+        wire.send(self.sock, {"definition": self.defn.to_json(), "solution": self.sol.worker_spec(),
                               "solution_dir": str(self.box.solution_dir), "device": self.device})
         status, header, _ = self._receive("loading")
         if status != "ok":

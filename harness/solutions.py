@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,10 +13,10 @@ import torch
 
 from harness import HarnessError, sandbox
 from harness.definition import Definition
+from harness.records import ENTRY_POINT, LANGUAGES, SolutionRecord, parse, read_json
 
 REFERENCE = "reference"
 NULL = "<null>"             # the harness's own do-nothing solution: the timed loop's overhead
-LANGUAGES = ("python", "triton", "cuda")
 
 
 class SolutionError(HarnessError):
@@ -38,7 +37,7 @@ class Solution:
     sources: tuple[str, ...] = ()
     description: str = ""
     folder: Path | None = None            # None for the built-in reference
-    raw: dict = field(default_factory=dict, repr=False)
+    record: SolutionRecord | None = field(default=None, repr=False)      # solution.json as parsed
 
     @property
     def is_reference(self) -> bool:
@@ -75,37 +74,18 @@ def null_solution(defn: Definition) -> Solution:
 
 
 def parse_solution(raw, where: str, folder: Path) -> Solution:
-    def need(cond, f, msg):
-        if not cond:
-            raise SolutionError(f"{where}: field '{f}': {msg}")
-    need(isinstance(raw, dict), "<root>", "must be a JSON object")
-    for key in ("name", "definition", "author"):
-        need(isinstance(raw.get(key), str) and raw[key], key, "must be a non-empty string")
-    need(raw["name"] == folder.name, "name", f"is {raw['name']!r} but the folder is {folder.name!r}")
-    spec = raw.get("spec")
-    need(isinstance(spec, dict), "spec", "must be an object")
-    need(spec.get("language") in LANGUAGES, "spec.language", f"must be one of {LANGUAGES}")
-    entry = spec.get("entry_point")
-    m = re.fullmatch(r"([\w./-]+\.py)::([A-Za-z_]\w*)", entry) if isinstance(entry, str) else None
-    need(m is not None, "spec.entry_point", f"{entry!r} is not 'file.py::function'")
-    dps = spec.get("destination_passing_style", True)
-    need(isinstance(dps, bool), "spec.destination_passing_style", "must be true or false")
-    hardware = spec.get("target_hardware", [])
-    need(isinstance(hardware, list), "spec.target_hardware", "must be a list")
-    deps = spec.get("dependencies", [])
-    need(isinstance(deps, list), "spec.dependencies", "must be a list")
-    sources = raw.get("sources")
-    need(isinstance(sources, list) and sources, "sources", "must be a non-empty list of {path}")
-    paths = []
-    for i, s in enumerate(sources):
-        p = s.get("path") if isinstance(s, dict) else None
-        need(isinstance(p, str) and p and not Path(p).is_absolute() and ".." not in Path(p).parts,
-             f"sources[{i}].path", f"{p!r} must be a relative path inside the folder")
-        need((folder / p).is_file(), f"sources[{i}].path", f"{p!r} does not exist in {folder}")
-        paths.append(p)
-    need(m.group(1) in paths, "spec.entry_point", f"{m.group(1)!r} is not among the sources")
-    return Solution(raw["name"], raw["definition"], raw["author"], spec["language"], m.group(1), m.group(2), dps,
-                    tuple(hardware), tuple(deps), tuple(paths), raw.get("description") or "", folder, raw)
+    """Validate a decoded solution.json (harness.records.SolutionRecord) against its folder."""
+    record = parse(SolutionRecord, raw, where, SolutionError)
+    if record.name != folder.name:
+        raise SolutionError(f"{where}: field 'name': is {record.name!r} but the folder is {folder.name!r}")
+    for i, source in enumerate(record.sources):
+        if not (folder / source.path).is_file():
+            raise SolutionError(f"{where}: field 'sources[{i}].path': {source.path!r} does not exist in {folder}")
+    entry_file, entry_function = ENTRY_POINT.fullmatch(record.spec.entry_point).groups()
+    spec = record.spec
+    return Solution(record.name, record.definition, record.author, spec.language, entry_file, entry_function,
+                    spec.destination_passing_style, tuple(spec.target_hardware), tuple(spec.dependencies),
+                    tuple(s.path for s in record.sources), record.description or "", folder, record)
 
 
 def load_solution(name: str, defn: Definition, root: str | Path = "solutions") -> Solution:
@@ -116,11 +96,7 @@ def load_solution(name: str, defn: Definition, root: str | Path = "solutions") -
     if not path.is_file():
         known = sorted(p.parent.name for p in Path(root).glob("*/solution.json"))
         raise SolutionError(f"{path}: no such solution (known: {', '.join([REFERENCE] + known)})")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SolutionError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-    sol = parse_solution(raw, str(path), folder)
+    sol = parse_solution(read_json(path, SolutionError), str(path), folder)
     if sol.definition != defn.name:
         raise SolutionError(f"{path}: field 'definition': is {sol.definition!r}, expected {defn.name!r}")
     return sol

@@ -28,6 +28,7 @@ from harness import HarnessError, cli, traces
 from harness.cli import resolve_device
 from harness.definition import Definition, find_definition
 from harness.ops import load_op
+from harness.records import StressRecord
 from harness.runner import COMPILE_ERROR, PASSED, Worker, judge_call, program_layout
 from harness.solutions import load_solution
 from harness.workloads import generate_tensors, save_workloads, write_workload
@@ -220,14 +221,14 @@ def execute(args: argparse.Namespace) -> int:
     print(f"{name}: {len(failures)} distinct failure(s) in {search.calls} calls ({args.examples} examples and "
           f"shrinking), {seconds:.0f} s", flush=True)
     if args.record:
-        record = {"definition": defn.name, "solution": name, "solution_sha256": search.worker.sha256,
-                  "environment": traces.environment(device), "examples": args.examples, "calls": search.calls,
-                  "batch_size": args.batch_size, "seed": args.seed, "hypothesis": hypothesis.__version__,
-                  "seconds": round(seconds, 1), "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  "failures": rows}
+        record = StressRecord(definition=defn.name, solution=name, solution_sha256=search.worker.sha256,
+                              environment=traces.environment(device), examples=args.examples, calls=search.calls,
+                              batch_size=args.batch_size, seed=args.seed, hypothesis=hypothesis.__version__,
+                              seconds=round(seconds, 1),
+                              timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"), failures=rows)
         path = Path(args.traces) / defn.name / f"stress_{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1) + "\n")
+        path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
         print(f"wrote {path}")
     return 1 if failures else 0
 

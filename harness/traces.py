@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from harness import HarnessError
+from harness.records import Correctness, Environment, Evaluation, Performance, Trace, TraceWorkload, parse
 from harness.runner import INCORRECT_NUMERICAL, PASSED, Result
 
 TRACES = Path("traces")
@@ -27,58 +29,64 @@ def environment(device: str) -> dict:
     return {"hardware": hardware, "libs": libs}
 
 
-def trace_record(r: Result, env: dict, reference_latency_ms: float | None, source_sha256: str) -> dict:
+def trace_record(r: Result, env: dict, reference_latency_ms: float | None, source_sha256: str) -> Trace:
     w = r.workload
-    evaluation = {"status": r.status, "environment": {**env, "sandbox": r.isolation},
-                  "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "log": r.log}
+    correctness = performance = None
     if r.status in (PASSED, INCORRECT_NUMERICAL) and r.verdict is not None:
-        evaluation["correctness"] = {"max_relative_error": r.verdict.max_relative_error,
-                                     "max_absolute_error": r.verdict.max_absolute_error,
-                                     "extra": {"family": w.family, "fresh_seed": r.fresh_seed,
-                                               **r.verdict.extra}}
+        correctness = Correctness(max_relative_error=r.verdict.max_relative_error,
+                                  max_absolute_error=r.verdict.max_absolute_error,
+                                  extra={"family": w.family, "fresh_seed": r.fresh_seed, **r.verdict.extra})
     if r.status == PASSED:
         timed = r.latency_ms is not None
         ref = reference_latency_ms if timed and reference_latency_ms else 0.0
-        evaluation["performance"] = {
-            "latency_ms": r.latency_ms if timed else 0.0,
-            "reference_latency_ms": ref,
-            "speedup_factor": ref / r.latency_ms if timed and ref else 0.0,
-            "floor_ms": r.floor_ms if timed else None,    # ignored by flashinfer-bench, read by the leaderboard
-            "clock": r.clock or None,                     # the timed loop against the harness's own clock
-        }
-    return {"definition": w.definition, "workload": {"uuid": w.uuid, "axes": w.axes, "inputs": w.inputs},
-            "solution": r.solution, "solution_sha256": source_sha256, "evaluation": evaluation}
+        performance = Performance(latency_ms=r.latency_ms if timed else 0.0, reference_latency_ms=ref,
+                                  speedup_factor=ref / r.latency_ms if timed and ref else 0.0,
+                                  floor_ms=r.floor_ms if timed else None, clock=r.clock or None)
+    evaluation = Evaluation(status=r.status, environment=Environment(**env, sandbox=r.isolation),
+                            timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"), log=r.log,
+                            correctness=correctness, performance=performance)
+    return Trace(definition=w.definition, workload=TraceWorkload(uuid=w.uuid, axes=w.axes, inputs=w.inputs),
+                 solution=r.solution, solution_sha256=source_sha256, evaluation=evaluation)
 
 
 def trace_path(definition: str, solution: str, root: Path = TRACES) -> Path:
     return Path(root) / definition / f"{solution}.jsonl"
 
 
-def load_traces(definition: str, solution: str, root: Path = TRACES) -> list[dict]:
+def read_traces(path: Path) -> list[Trace]:
+    """The traces of one file; a malformed line is a one-line error naming the file, line and field."""
+    return [parse(Trace, _json_line(line, f"{path}:{n}"), f"{path}:{n}")
+            for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+
+
+def _json_line(line: str, where: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise HarnessError(f"{where}: not valid JSON ({e.msg})") from None
+
+
+def load_traces(definition: str, solution: str, root: Path = TRACES) -> list[Trace]:
     path = trace_path(definition, solution, root)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_traces(path) if path.exists() else []
 
 
 def reference_latency(definition: str, uuid: str, hardware: str, root: Path = TRACES) -> float | None:
     for t in load_traces(definition, "reference", root):
-        ev = t["evaluation"]
-        if t["workload"]["uuid"] == uuid and ev["environment"]["hardware"] == hardware and ev["status"] == PASSED:
-            return ev["performance"]["latency_ms"] or None
+        if t.workload.uuid == uuid and t.hardware == hardware and t.evaluation.status == PASSED:
+            return t.evaluation.performance.latency_ms or None
     return None
 
 
-def write_traces(records: list[dict], root: Path = TRACES) -> list[Path]:
+def write_traces(records: list[Trace], root: Path = TRACES) -> list[Path]:
     """Merge records into their solutions' trace files: a record replaces the one of the same workload and
     hardware; the rest of the file stays. Lines are kept in a stable order (workload uuid, hardware)."""
-    by_file: dict[Path, list[dict]] = {}
+    by_file: dict[Path, list[Trace]] = {}
     for rec in records:
-        by_file.setdefault(trace_path(rec["definition"], rec["solution"], root), []).append(rec)
+        by_file.setdefault(trace_path(rec.definition, rec.solution, root), []).append(rec)
     for path, new in by_file.items():
-        key = lambda t: (t["workload"]["uuid"], t["evaluation"]["environment"]["hardware"])  # noqa: E731
-        merged = {key(t): t for t in load_traces(new[0]["definition"], new[0]["solution"], root)}
-        merged.update({key(t): t for t in new})
+        merged = {(t.workload.uuid, t.hardware): t for t in [*load_traces(new[0].definition, new[0].solution, root),
+                                                            *new]}
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(merged[k]) + "\n" for k in sorted(merged)))
+        path.write_text("".join(json.dumps(merged[k].to_json()) + "\n" for k in sorted(merged)))
     return sorted(by_file)

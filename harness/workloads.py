@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from harness import HarnessError
 from harness.definition import Definition
 from harness.ops import load_op
+from harness.records import WorkloadLine, WorkloadSpec, parse
 
 DEFAULT_BATCH_SIZES = (1, 2, 16, 32, 64, 128, 256, 512)   # a family may name fewer (op.FAMILY_BATCH_SIZES)
 BASE_SEED = 20261202
@@ -47,11 +48,13 @@ class Workload:
         return f"{self.family} " + " ".join(f"{k}={v}" for k, v in self.axes.items())
 
     def to_json(self) -> dict:
-        return {"definition": self.definition,
-                "workload": {"uuid": self.uuid, "axes": self.axes, "inputs": self.inputs,
-                             "family": self.family, "seed": self.seed, "sha256": self.sha256,
-                             **({"params": self.params} if self.params else {})},
-                "solution": None, "evaluation": None}
+        """Its line in the workload file (harness.records.WorkloadLine); params only when there are any."""
+        spec = WorkloadSpec(uuid=self.uuid, axes=self.axes, inputs=self.inputs, family=self.family, seed=self.seed,
+                            sha256=self.sha256, params=self.params)
+        line = WorkloadLine(definition=self.definition, workload=spec).model_dump(mode="json")
+        if not self.params:
+            del line["workload"]["params"]
+        return line
 
 
 def workloads_path(defn: Definition, root: str | Path = ".") -> Path:
@@ -124,35 +127,22 @@ def save_workloads(path: str | Path, workloads: list[Workload]) -> None:
 
 
 def _parse_line(raw, defn: Definition, where: str) -> Workload:
-    def need(cond, field, msg):
-        if not cond:
-            raise WorkloadError(f"{where}: field '{field}': {msg}")
-    need(isinstance(raw, dict), "<line>", "must be a JSON object")
-    need(raw.get("definition") == defn.name, "definition", f"is {raw.get('definition')!r}, expected {defn.name!r}")
-    w = raw.get("workload")
-    need(isinstance(w, dict), "workload", "must be an object")
-    need(isinstance(w.get("uuid"), str) and w["uuid"], "workload.uuid", "must be a non-empty string")
-    need(isinstance(w.get("axes"), dict), "workload.axes", "must be an object of var axis values")
+    """Validate one decoded line (harness.records.WorkloadLine) against the definition and its operator."""
+    line = parse(WorkloadLine, raw, where, WorkloadError)
+    w = line.workload
+    if line.definition != defn.name:
+        raise WorkloadError(f"{where}: field 'definition': is {line.definition!r}, expected {defn.name!r}")
     try:
-        defn.resolve_axes(w["axes"])
+        defn.resolve_axes(w.axes)
     except HarnessError as e:
         raise WorkloadError(f"{where}: field 'workload.axes': {e}") from None
-    inputs = w.get("inputs")
-    need(isinstance(inputs, dict) and set(inputs) == set(defn.inputs), "workload.inputs",
-         f"must name exactly the inputs {sorted(defn.inputs)}")
-    for name, spec in inputs.items():
-        need(isinstance(spec, dict) and spec.get("type") == "safetensors" and isinstance(spec.get("path"), str)
-             and isinstance(spec.get("tensor_key"), str), f"workload.inputs.{name}",
-             "must be {type: safetensors, path, tensor_key}")
-    need(len({s["path"] for s in inputs.values()}) == 1, "workload.inputs", "all inputs must share one blob")
-    need(isinstance(w.get("family"), str), "workload.family", "must name the input family")
-    need(isinstance(w.get("seed"), int), "workload.seed", "must be an integer")
-    need(isinstance(w.get("sha256"), str) and len(w["sha256"]) == 64, "workload.sha256", "must be a sha256 hex")
-    need(isinstance(w.get("params", {}), dict), "workload.params", "must be an object of generator parameters")
+    if set(w.inputs) != set(defn.inputs):
+        raise WorkloadError(f"{where}: field 'workload.inputs': must name exactly the inputs {sorted(defn.inputs)}")
     families = load_op(defn.op_type).FAMILIES
-    need(w["family"] in families, "workload.family", f"unknown family {w['family']!r} (known: {families})")
-    return Workload(defn.name, w["uuid"], dict(w["axes"]), inputs, w["family"], w["seed"], w["sha256"],
-                    dict(w.get("params", {})))
+    if w.family not in families:
+        raise WorkloadError(f"{where}: field 'workload.family': unknown family {w.family!r} (known: {families})")
+    return Workload(defn.name, w.uuid, dict(w.axes), {name: spec.to_json() for name, spec in w.inputs.items()},
+                    w.family, w.seed, w.sha256, dict(w.params))
 
 
 def load_workloads(defn: Definition, path: str | Path | None = None) -> list[Workload]:

