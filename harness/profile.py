@@ -9,8 +9,8 @@ or `python -m harness.profile`).
   python -m harness profile stalls SOURCE_CSV CUBIN [--source FILE] [--top 30]
       SOURCE_CSV: `ncu -i prof.ncu-rep --page source --csv --print-source sass`; CUBIN: the profiled kernel's own
       cubin (Triton: `~/.triton/cache/*/KERNEL.cubin`; CUDA: `cuobjdump -xelf all` of the extension, built with
-      -lineinfo: cuda_v1 adds it under LEAPQUANT_CUDA_LINEINFO=1; of several kernels in a cubin, the one as long
-      as the profile is taken). Prints the warp-stall samples by reason, by stretch between CTA barriers and by
+      -lineinfo, as the solution's NOTES.md says; of several kernels in a cubin, the one as long as the profile is
+      taken). Prints the warp-stall samples by reason, by stretch between CTA barriers and by
       source line (the line table of the cubin, read with nvdisasm -g, maps each SASS instruction to its line; FILE
       names the source to quote, and code inlined from other files counts to the line of FILE that called it), with
       the instructions each line executed and its three main stall reasons.

@@ -43,9 +43,9 @@ def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
 
 
 def test_timeline_tool_builds_with_the_kernel(tmp_path):
-    """scripts/cuda_v1_timeline.cu includes flush.cu with its STAMP hook defined: it must keep compiling, and the
-    stamps must not push the kernel into spills (the cycles it reports would then not be the kernel's)."""
-    _ptxas_report_without_spills(FOLDER.parents[1] / "scripts" / "cuda_v1_timeline.cu", tmp_path / "timeline.o")
+    """tools/timeline.cu includes flush.cu with its STAMP hook defined: it must keep compiling, and the stamps must
+    not push the kernel into spills (the cycles it reports would then not be the kernel's)."""
+    _ptxas_report_without_spills(FOLDER / "tools" / "timeline.cu", tmp_path / "timeline.o")
 
 
 def test_run_refuses_cpu_tensors_in_one_line():

@@ -9,13 +9,15 @@
 // (The columns of each n-tile are permuted: n-tile nt, accumulator column c -> k = 64 wc + 16 (c>>1) + 2 nt + (c&1),
 // so that a lane's columns are contiguous and the int8 codes come and go as 16-byte vectors.)
 //
+// flush_program runs the three stages below in turn, each a function: stage_factors and rebuild_state (1.),
+// subspace_iteration (2.), quantize_residual (3.).
 //  1. Rebuild  S = diag(s_v) codes diag(cs) + A B,  cs = s_k/127 * exp(pcum):
 //     the codes term elementwise in fp32 (int8 -> fp32 by the 2^23 magic), then A B on bf16 tensor cores
 //     (m16n8k16 + m16n8k8, fp32 accumulation) with a 24-wide factor index j:
 //       j <  16: A[v][j] = ubuf_j[v] (bf16, exact)       B[j][k] = w_j kbuf_j[k] D_j[k]
 //       j 16-19: A = bf16 hi of q_{j-16} (fp16 = hi + lo exactly)   B = u_{j-16}[k] exp(pcum[k])
 //       j 20-23: A = bf16 lo of q_{j-20}                            B = u_{j-20}[k] exp(pcum[k])
-//     B is fp32 and goes in as a three-way bf16 split (hi + mid + lo = 24 bits; 2-way failed the hot-row heads).
+//     B is fp32 and goes in as a three-way bf16 split (hi + mid + lo = 24 bits, which the hot-row heads need).
 //  2. Subspace iteration from the registers: S^T q0 in fp32 on CUDA cores (column partials reduced across the 8
 //     lanes of a column by a shuffle reduce-scatter, then across the 4 row-warps in shared memory); CGS2 in warp 0
 //     (as accurate as the reference's MGS2; norm clamp 1e-30); S qk on tf32 tensor cores (3xTF32, the accumulator
@@ -32,7 +34,7 @@
 
 #include "flush.cuh"
 
-// Profiling hook: scripts/cuda_v1_timeline.cu defines STAMP(n) to record clock64() at a program's entry (n = 0) and
+// Profiling hook: tools/timeline.cu defines STAMP(n) to record clock64() at a program's entry (n = 0) and
 // after its numbered barriers (n = barrier + 1), for the per-stage cycle counts in NOTES.md. Nothing otherwise.
 #ifndef STAMP
 #define STAMP(n)
@@ -45,7 +47,7 @@ constexpr int NTHREADS = 256;
 constexpr unsigned FULL = 0xffffffffu;
 // Row stride (floats) of the vector-major partials [warp][j][row] that warp 0 sums before an orthonormalisation:
 // 4 mod 32 banks apart, so that its lanes' float4 reads of 4 consecutive rows are conflict-free and the producers'
-// scalar stores conflict at most 2-way (a row-major [warp][row][j] layout conflicted 4-way on both sides)
+// scalar stores conflict at most 2-way
 constexpr int PART = K + 4;
 // S^T qv's per-warp partials [warp][k][j] with 8 floats of padding after every 16 k: the 16 storing lanes of a
 // warp (k = 16 (g >> 1) + 2 n + (g & 1) + const, j = 2 t, 2 t + 1) hit 32 distinct banks
@@ -412,31 +414,37 @@ __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint3
   return __byte_perm(ab, cd, 0x5410u);
 }
 
-// One program: wait for its staged inputs, flush it, and (after barrier #1, when the staging area is free) start the
-// copies of the next program's inputs; the deployment form also resets the program's window there.
-template <bool POOL>
-__device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Records rec, Records next,
-                                              bool has_next) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int wr = warp >> 1, wc = warp & 1;
-  const int colbase = 64 * wc + 16 * t;            // this lane's 16 columns
-  // row of (mt, h): 32 wr + 16 mt + 8 h + g; ri = 2 mt + h
-  auto row_of = [&](int ri) { return 32 * wr + 16 * (ri >> 1) + 8 * (ri & 1) + g; };
+// This thread's place in the state layout (file header): warp (wr, wc), lane (g, t), its 16 columns from colbase.
+struct Place {
+  int tid, lane, warp, g, t, wr, wc, colbase;
+  // row of (mt, h), ri = 2 mt + h
+  __device__ __forceinline__ int row(int ri) const { return 32 * wr + 16 * (ri >> 1) + 8 * (ri & 1) + g; }
+};
 
-  STAMP(0);
-  cp_async_wait_all();
-  __syncthreads();                                                                                   // #0
-  STAMP(1);
+__device__ __forceinline__ Place this_place() {
+  Place at;
+  at.tid = threadIdx.x;
+  at.lane = at.tid & 31;
+  at.warp = at.tid >> 5;
+  at.g = at.lane >> 2;
+  at.t = at.lane & 3;
+  at.wr = at.warp >> 1;
+  at.wc = at.warp & 1;
+  at.colbase = 64 * at.wc + 16 * at.t;
+  return at;
+}
 
-  // ---- 0. from the staging area: codes rows (16 B per row), s_v; A^T (ubuf, hi / lo of q) -----------------------
+// ---- 1. rebuild ------------------------------------------------------------------------------------------------
+
+// From the staging area, before it is released to the next program's copies: this lane's codes rows (16 B a row) and
+// s_v into registers; A^T (ubuf, hi / lo of q), B (three bf16 splits) and cs into shared memory.
+__device__ __forceinline__ void stage_factors(Smem& sm, const Place& at, uint4 (&cw)[4], float (&svr)[4]) {
+  const int tid = at.tid;
   const Stage& st = sm.st;
-  uint4 cw[4];
-  float svr[4];
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
-    const int v = row_of(ri);
-    cw[ri] = st.codes[v][(colbase >> 4) ^ ((v & 1) << 2)];
+    const int v = at.row(ri);
+    cw[ri] = st.codes[v][(at.colbase >> 4) ^ ((v & 1) << 2)];
     svr[ri] = st.s_v[v];
   }
   {
@@ -453,8 +461,6 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       s_a_chunk(sm, L + R + j, c) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
   }
-
-  // ---- 0b. B (three bf16 splits) into shared memory; cs ----------------------------------------------------------
   {
     const uint16_t* kbuf = reinterpret_cast<const uint16_t*>(st.kbuf);
     const uint16_t* gbuf = reinterpret_cast<const uint16_t*>(st.gbuf);
@@ -501,25 +507,16 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       sm.cs[k] = (st.s_k[k] * (1.0f / 127.0f)) * dec;
     }
   }
-  __syncthreads();                                                                                   // #1
-  STAMP(2);
-  if (has_next) prefetch_program<POOL>(p, sm.st, next);
-  if (POOL) {
-    // reset the window (its staged copy is complete): w = 0, pcum = 0, gbuf = 1
-    const size_t win = static_cast<size_t>(rec.win);
-    const uint4 ones = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);   // fp16 1.0 pairs
-    static_cast<uint4*>(p.gbuf)[win * (L * K / 8) + tid] = ones;
-    if (tid < 32) reinterpret_cast<uint4*>(p.pcum + win * K)[tid] = make_uint4(0, 0, 0, 0);
-    else if (tid < 36) reinterpret_cast<uint4*>(p.w + win * L)[tid - 32] = make_uint4(0, 0, 0, 0);
-  }
+}
 
-  // ---- 1. rebuild S into the accumulators ----------------------------------------------------------------------
-  float acc[2][8][4];
+// S into the accumulators: the codes term elementwise, then A B onto it on bf16 tensor cores.
+__device__ __forceinline__ void rebuild_state(Smem& sm, const Place& at, const uint4 (&cw)[4], const float (&svr)[4],
+                                              float (&acc)[2][8][4]) {
   {
     float csr[16];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float4 c4 = reinterpret_cast<const float4*>(sm.cs + colbase)[i];
+      const float4 c4 = reinterpret_cast<const float4*>(sm.cs + at.colbase)[i];
       csr[4 * i] = c4.x; csr[4 * i + 1] = c4.y; csr[4 * i + 2] = c4.z; csr[4 * i + 3] = c4.w;
     }
 #pragma unroll
@@ -533,276 +530,307 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       }
     }
   }
-  {
-    // mt outer: only one m-tile's A fragments (6 registers) are live next to the 64 accumulators; the B fragments
-    // are read once per m-tile (registers, not shared-memory bandwidth, are the limit here)
-    const uint32_t bbase = smem_u32(&sm.bsm[0][0][0]);
-    const int ltid = fresh_tid();                     // recomputed here rather than kept (spilled) over the loop
-    const int m = (ltid >> 3) & 3, r8 = ltid & 7;
-    const int ksw = (r8 >> 1) & 3;                    // (k >> 4) & 3 of this lane's ldmatrix row
+  // mt outer: only one m-tile's A fragments (6 registers) are live next to the 64 accumulators; the B fragments are
+  // read once per m-tile (registers, not shared-memory bandwidth, are the limit here)
+  const uint32_t bbase = smem_u32(&sm.bsm[0][0][0]);
+  const int ltid = fresh_tid();                       // recomputed here: kept over the loop, it spills
+  const int m = (ltid >> 3) & 3, r8 = ltid & 7;
+  const int ksw = (r8 >> 1) & 3;                      // (k >> 4) & 3 of this lane's ldmatrix row
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    // A fragments (rows v, columns j) from the transposed staging: matrix m of the x4 covers
+    // (v + 8 (m & 1), j + 8 (m >> 1))
+    uint32_t afr[6];
+    const int vc = (32 * at.wr + 16 * mt) / 8 + (m & 1);
+    ldsm_x4_trans(smem_u32(&s_a_chunk(sm, r8 + 8 * (m >> 1), vc)), reinterpret_cast<uint32_t(&)[4]>(afr[0]));
+    ldsm_x2_trans(smem_u32(&s_a_chunk(sm, L + r8, vc)), afr[4], afr[5]);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int k = 64 * at.wc + 16 * (r8 >> 1) + 2 * nt + (r8 & 1);
+      const uint32_t off = static_cast<uint32_t>(k * 64 + ((m ^ ksw) << 4));
+      uint32_t bh[4], bm[4], bl[4];
+      ldsm_x4(bbase + off, bh);
+      ldsm_x4(bbase + 1 * K * 64 + off, bm);
+      ldsm_x4(bbase + 2 * K * 64 + off, bl);
+      mma_bf16_k16(acc[mt][nt], afr, bl[0], bl[1]);
+      mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bl[2]);
+      mma_bf16_k16(acc[mt][nt], afr, bm[0], bm[1]);
+      mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bm[2]);
+      mma_bf16_k16(acc[mt][nt], afr, bh[0], bh[1]);
+      mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bh[2]);
+    }
+  }
+}
+
+// ---- 2. subspace iteration -------------------------------------------------------------------------------------
+
+// S^T q0 in fp32 on CUDA cores (its precision decides qk, and through it the tokens): column partials over this
+// lane's 4 rows, reduce-scattered over the 8 lanes g of a column (lane keeps vector (g >> 1) & 3 of column
+// colbase + 2 nt + (g & 1)), into red[wr][j][k]. The lane's vectors come in the order j ^ ((g >> 1) & 3): at the first
+// two levels (vector halves) the half it keeps is then its first half and the partner's matching values sit in the
+// partner's second half, so only the last level (the column pair) needs selects.
+__device__ __forceinline__ void st_q0_partials(Smem& sm, const Place& at, const float (&acc)[2][8][4]) {
+  const int g = at.g;
+  float xr[4][4];                                    // xr[ri][p]: q0 vector p ^ ((g >> 1) & 3) at row at.row(ri)
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const float4 x4 = sm.q0p[(g >> 1) & 3][at.row(ri)];
+    xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
+  }
+  const bool odd = g & 1;
+  // red + (wr R + ((g >> 1) & 3)) PART + colbase + (g & 1), from a fresh %tid.x (derived from tid, it spills in the
+  // deployment form)
+  const int fx = fresh_tid();
+  float* redp = sm.red + ((fx >> 6) * R + ((fx >> 3) & 3)) * PART + 64 * ((fx >> 5) & 1) + 16 * (fx & 3) +
+                ((fx >> 2) & 1);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    float pv[8];
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float s = acc[0][nt][e] * xr[0][j];
+        s = fmaf(acc[0][nt][2 + e], xr[1][j], s);
+        s = fmaf(acc[1][nt][e], xr[2][j], s);
+        s = fmaf(acc[1][nt][2 + e], xr[3][j], s);
+        pv[4 * e + j] = s;
+      }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {                    // lane ^ 16: its (g >> 1) & 3 is ours ^ 2, its p + 2 our p
+      pv[4 * e] += __shfl_xor_sync(FULL, pv[4 * e + 2], 16);
+      pv[4 * e + 1] += __shfl_xor_sync(FULL, pv[4 * e + 3], 16);
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e)                      // lane ^ 8: ours ^ 1, its p = 1 is our p = 0
+      pv[4 * e] += __shfl_xor_sync(FULL, pv[4 * e + 1], 8);
+    pv[1] = pv[4];                                   // lane ^ 4: the other column of the pair
+    rs_level<2>(pv, odd, 4);
+    redp[2 * nt] = pv[0];                            // red[wr][(g >> 1) & 3][colbase + 2 nt + (g & 1)]
+  }
+}
+
+// Warp 0: qk = CGS2 of the 4 row-warps' column partials of S^T q0, into zs as tf32 parts (rows 0-3) and the rest
+// (rows 4-7), the B operands of S qk.
+__device__ __forceinline__ void orthonormalise_qk(Smem& sm, int lane) {
+  float a[4][4];
+  sum_partials<4>(sm.red, lane, a);
+  cgs2(a);
+#pragma unroll
+  for (int n = 0; n < R; ++n) {
+    uint4 part, rest;
+    part.x = tf32_part(a[0][n]); part.y = tf32_part(a[1][n]);
+    part.z = tf32_part(a[2][n]); part.w = tf32_part(a[3][n]);
+    rest.x = tf32_rest(a[0][n]); rest.y = tf32_rest(a[1][n]);
+    rest.z = tf32_rest(a[2][n]); rest.w = tf32_rest(a[3][n]);
+    *reinterpret_cast<uint4*>(&sm.zs[n][4 * lane]) = part;
+    *reinterpret_cast<uint4*>(&sm.zs[R + n][4 * lane]) = rest;
+  }
+}
+
+// S qk on tf32 tensor cores (3xTF32: S and qk each as a tf32 part + the rest; the N = 8 of [part | rest] gives the
+// fourth product free). An m16n8 accumulator tile is an m16n8k8 tf32 A fragment as it stands once its columns
+// 2 t, 2 t + 1 are read as the A columns t, t + 4; B's rows follow the same order. The 2 column-warps are summed by
+// the consumer through red[wc][j][v].
+__device__ __forceinline__ void s_qk_partials(Smem& sm, const Place& at, const float (&acc)[2][8][4]) {
+  const int g = at.g, t = at.t;
+  float d[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const float2 z = *reinterpret_cast<const float2*>(&sm.zs[g][at.colbase + 2 * nt]);   // k = colbase + 2 nt (+1)
+    const uint32_t b0 = __float_as_uint(z.x), b1 = __float_as_uint(z.y);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      // A fragments (rows v, columns j) from the transposed staging: matrix m of the x4 covers
-      // (v + 8 (m & 1), j + 8 (m >> 1))
-      uint32_t afr[6];
-      const int vc = (32 * wr + 16 * mt) / 8 + (m & 1);
-      ldsm_x4_trans(smem_u32(&s_a_chunk(sm, r8 + 8 * (m >> 1), vc)), reinterpret_cast<uint32_t(&)[4]>(afr[0]));
-      ldsm_x2_trans(smem_u32(&s_a_chunk(sm, L + r8, vc)), afr[4], afr[5]);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int k = 64 * wc + 16 * (r8 >> 1) + 2 * nt + (r8 & 1);
-        const uint32_t off = static_cast<uint32_t>(k * 64 + ((m ^ ksw) << 4));
-        uint32_t bh[4], bm[4], bl[4];
-        ldsm_x4(bbase + off, bh);
-        ldsm_x4(bbase + 1 * K * 64 + off, bm);
-        ldsm_x4(bbase + 2 * K * 64 + off, bl);
-        mma_bf16_k16(acc[mt][nt], afr, bl[0], bl[1]);
-        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bl[2]);
-        mma_bf16_k16(acc[mt][nt], afr, bm[0], bm[1]);
-        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bm[2]);
-        mma_bf16_k16(acc[mt][nt], afr, bh[0], bh[1]);
-        mma_bf16_k8(acc[mt][nt], afr[4], afr[5], bh[2]);
-      }
+      const float* c = acc[mt][nt];
+      mma_tf32_k8(d[mt], tf32_rest(c[0]), tf32_rest(c[2]), tf32_rest(c[1]), tf32_rest(c[3]), b0, b1);
+      mma_tf32_k8(d[mt], tf32_part(c[0]), tf32_part(c[2]), tf32_part(c[1]), tf32_part(c[3]), b0, b1);
     }
   }
-
-  // ---- 2. subspace iteration -------------------------------------------------------------------------------------
-  // S^T q0 in fp32 on CUDA cores: column partials over this lane's 4 rows, reduce-scattered over the 8 lanes g of a
-  // column (lane keeps vector (g >> 1) & 3 of column colbase + 2 nt + (g & 1)), into red[wr][j][k]. Its precision
-  // decides qk, and through it the tokens: a bf16 hi + lo form of S here moved the worst-head ratio from 1.004 to
-  // 1.009. The lane's vectors come in the order j ^ ((g >> 1) & 3): at the first two levels (vector halves) the half
-  // it keeps is then its first half and the partner's matching values sit in the partner's second half, so only the
-  // last level (the column pair) needs selects.
-  {
-    float xr[4][4];                                  // xr[ri][p]: q0 vector p ^ ((g >> 1) & 3) at row row_of(ri)
+  // columns n = 2 t, 2 t + 1: the qk part of qk_n for t < 2, the rest of qk_{n-4} for t >= 2
 #pragma unroll
-    for (int ri = 0; ri < 4; ++ri) {
-      const float4 x4 = sm.q0p[(g >> 1) & 3][row_of(ri)];
-      xr[ri][0] = x4.x; xr[ri][1] = x4.y; xr[ri][2] = x4.z; xr[ri][3] = x4.w;
-    }
-    const bool odd = g & 1;
-    // red + (wr R + ((g >> 1) & 3)) PART + colbase + (g & 1), from a fresh %tid.x (derived from tid, the deployment
-    // form spilled)
-    const int fx = fresh_tid();
-    float* redp = sm.red + ((fx >> 6) * R + ((fx >> 3) & 3)) * PART + 64 * ((fx >> 5) & 1) + 16 * (fx & 3) +
-                  ((fx >> 2) & 1);
+  for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      float pv[8];
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float s = acc[0][nt][e] * xr[0][j];
-          s = fmaf(acc[0][nt][2 + e], xr[1][j], s);
-          s = fmaf(acc[1][nt][e], xr[2][j], s);
-          s = fmaf(acc[1][nt][2 + e], xr[3][j], s);
-          pv[4 * e + j] = s;
-        }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {                  // lane ^ 16: its (g >> 1) & 3 is ours ^ 2, its p + 2 our p
-        pv[4 * e] += __shfl_xor_sync(FULL, pv[4 * e + 2], 16);
-        pv[4 * e + 1] += __shfl_xor_sync(FULL, pv[4 * e + 3], 16);
-      }
-#pragma unroll
-      for (int e = 0; e < 2; ++e)                    // lane ^ 8: ours ^ 1, its p = 1 is our p = 0
-        pv[4 * e] += __shfl_xor_sync(FULL, pv[4 * e + 1], 8);
-      pv[1] = pv[4];                                 // lane ^ 4: the other column of the pair
-      rs_level<2>(pv, odd, 4);
-      redp[2 * nt] = pv[0];                          // red[wr][(g >> 1) & 3][colbase + 2 nt + (g & 1)]
-    }
-  }
-  __syncthreads();                                                                                   // #2
-  STAMP(3);
-  if (warp == 0) {
-    float a[4][4];
-    sum_partials<4>(sm.red, lane, a);                  // the 4 row-warps' column partials of S^T q0
-    cgs2(a);
-#pragma unroll
-    for (int n = 0; n < R; ++n) {
-      uint4 part, rest;
-      part.x = tf32_part(a[0][n]); part.y = tf32_part(a[1][n]);
-      part.z = tf32_part(a[2][n]); part.w = tf32_part(a[3][n]);
-      rest.x = tf32_rest(a[0][n]); rest.y = tf32_rest(a[1][n]);
-      rest.z = tf32_rest(a[2][n]); rest.w = tf32_rest(a[3][n]);
-      *reinterpret_cast<uint4*>(&sm.zs[n][4 * lane]) = part;
-      *reinterpret_cast<uint4*>(&sm.zs[R + n][4 * lane]) = rest;
-    }
-  }
-  __syncthreads();                                                                                   // #3
-  STAMP(4);
-
-  // S qk on tf32 tensor cores (3xTF32: S and qk each as a tf32 part + the rest; the N = 8 of [part | rest] gives the
-  // fourth product free). An m16n8 accumulator tile is an m16n8k8 tf32 A fragment as it stands once its columns
-  // 2 t, 2 t + 1 are read as the A columns t, t + 4; B's rows follow the same order. The 2 column-warps are summed by
-  // the consumer through red[wc][j][v].
-  {
-    float d[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const float2 z = *reinterpret_cast<const float2*>(&sm.zs[g][colbase + 2 * nt]);   // k = colbase + 2 nt (+1)
-      const uint32_t b0 = __float_as_uint(z.x), b1 = __float_as_uint(z.y);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const float* c = acc[mt][nt];
-        mma_tf32_k8(d[mt], tf32_rest(c[0]), tf32_rest(c[2]), tf32_rest(c[1]), tf32_rest(c[3]), b0, b1);
-        mma_tf32_k8(d[mt], tf32_part(c[0]), tf32_part(c[2]), tf32_part(c[1]), tf32_part(c[3]), b0, b1);
-      }
-    }
-    // columns n = 2 t, 2 t + 1: the qk part of qk_n for t < 2, the rest of qk_{n-4} for t >= 2
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) d[mt][i] += __shfl_xor_sync(FULL, d[mt][i], 2);
-    if (t < 2) {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int v = 32 * wr + 16 * mt + 8 * h + g;
-          float* part = sm.red + (wc * R + 2 * t) * PART + v;
-          part[0] = d[mt][2 * h];
-          part[PART] = d[mt][2 * h + 1];
-        }
-    }
-  }
-  __syncthreads();                                                                                   // #4
-  STAMP(5);
-  if (warp == 0) {
-    float a[4][4];
-    sum_partials<2>(sm.red, lane, a);                  // the 2 column-warps' row partials of S qk
-    cgs2(a);
-#pragma unroll
-    for (int n = 0; n < R; ++n)
-      *reinterpret_cast<float4*>(&sm.qvf[n][4 * lane]) = make_float4(a[0][n], a[1][n], a[2][n], a[3][n]);
-  }
-  __syncthreads();                                                                                   // #5
-  STAMP(6);
-
-  // u = S^T qv on tf32 tensor cores (3xTF32, as S qk: S and qv each as a tf32 part + the rest, the N = 8 of
-  // [part | rest] giving the fourth product free). Its precision reaches the tokens through u_new's fp16 rounding:
-  // bf16 hi + lo pairs of S (16 bits) left a decayed edge head on either side of 1.01 by the summation order of
-  // S^T q0 alone. An 8 x 8 block of accumulator values transposed by movmatrix_trans32 is a quarter of an m16n8k8
-  // A fragment of S^T (rows k, columns v); the warp's 32 rows v are 4 k-steps of 8, the 4 row-warps summed by the
-  // consumer through red[wr][k][j].
-  {
-    // B[kk][n]: kk = t <-> v = 32 wr + 16 mt + 8 h + 2 t, kk = t + 4 <-> v + 1 (the order the transposed blocks
-    // come in); column n < 4 the tf32 part of qv_n, n >= 4 the rest of qv_{n-4}
-    uint32_t bx[2][2][2];
-    const int tx = fresh_tid();                      // the row address afresh: kept from stage 1, it spilled
-    const float* xr0 = &sm.qvf[(tx >> 2) & 3][32 * (tx >> 6) + 2 * (tx & 3)];
+    for (int i = 0; i < 4; ++i) d[mt][i] += __shfl_xor_sync(FULL, d[mt][i], 2);
+  if (t < 2) {
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float2 x = *reinterpret_cast<const float2*>(xr0 + 16 * mt + 8 * h);
-        bx[mt][h][0] = g < 4 ? tf32_part(x.x) : tf32_rest(x.x);
-        bx[mt][h][1] = g < 4 ? tf32_part(x.y) : tf32_rest(x.y);
+        const int v = 32 * at.wr + 16 * mt + 8 * h + g;
+        float* part = sm.red + (at.wc * R + 2 * t) * PART + v;
+        part[0] = d[mt][2 * h];
+        part[PART] = d[mt][2 * h + 1];
       }
+  }
+}
+
+// Warp 0: qv = CGS2 of the 2 column-warps' row partials of S qk, into qvf in fp32.
+__device__ __forceinline__ void orthonormalise_qv(Smem& sm, int lane) {
+  float a[4][4];
+  sum_partials<2>(sm.red, lane, a);
+  cgs2(a);
 #pragma unroll
-    for (int np = 0; np < 4; ++np) {                 // A rows 0-7: the columns of n-tile 2 np, rows 8-15: 2 np + 1
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int n = 0; n < R; ++n)
+    *reinterpret_cast<float4*>(&sm.qvf[n][4 * lane]) = make_float4(a[0][n], a[1][n], a[2][n], a[3][n]);
+}
+
+// u = S^T qv on tf32 tensor cores (3xTF32, as S qk: S and qv each as a tf32 part + the rest, the N = 8 of
+// [part | rest] giving the fourth product free); its precision reaches the tokens through u_new's fp16 rounding. An
+// 8 x 8 block of accumulator values transposed by movmatrix_trans32 is a quarter of an m16n8k8 A fragment of S^T
+// (rows k, columns v); the warp's 32 rows v are 4 k-steps of 8, the 4 row-warps summed by the consumer through
+// red[wr][k][j].
+__device__ __forceinline__ void st_qv_partials(Smem& sm, const Place& at, const float (&acc)[2][8][4]) {
+  const int g = at.g, t = at.t;
+  // B[kk][n]: kk = t <-> v = 32 wr + 16 mt + 8 h + 2 t, kk = t + 4 <-> v + 1 (the order the transposed blocks
+  // come in); column n < 4 the tf32 part of qv_n, n >= 4 the rest of qv_{n-4}
+  uint32_t bx[2][2][2];
+  const int tx = fresh_tid();                        // the row address afresh: kept from the rebuild, it spills
+  const float* xr0 = &sm.qvf[(tx >> 2) & 3][32 * (tx >> 6) + 2 * (tx & 3)];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float y[2][2];                             // [n-tile 2 np + i][row 2 t + e of the 8 rows (mt, h)]
+    for (int h = 0; h < 2; ++h) {
+      const float2 x = *reinterpret_cast<const float2*>(xr0 + 16 * mt + 8 * h);
+      bx[mt][h][0] = g < 4 ? tf32_part(x.x) : tf32_rest(x.x);
+      bx[mt][h][1] = g < 4 ? tf32_part(x.y) : tf32_rest(x.y);
+    }
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const float* c = &acc[mt][2 * np + i][2 * h];
-            movmatrix_trans32(c[0], c[1], y[i][0], y[i][1]);
-          }
-          mma_tf32_k8(d, tf32_rest(y[0][0]), tf32_rest(y[1][0]), tf32_rest(y[0][1]), tf32_rest(y[1][1]),
-                      bx[mt][h][0], bx[mt][h][1]);
-          mma_tf32_k8(d, tf32_part(y[0][0]), tf32_part(y[1][0]), tf32_part(y[0][1]), tf32_part(y[1][1]),
-                      bx[mt][h][0], bx[mt][h][1]);
+  for (int np = 0; np < 4; ++np) {                   // A rows 0-7: the columns of n-tile 2 np, rows 8-15: 2 np + 1
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float y[2][2];                               // [n-tile 2 np + i][row 2 t + e of the 8 rows (mt, h)]
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float* c = &acc[mt][2 * np + i][2 * h];
+          movmatrix_trans32(c[0], c[1], y[i][0], y[i][1]);
         }
-      // columns n = 2 t, 2 t + 1: the qv part's share of u_n for t < 2, the rest's share of u_{n-4} for t >= 2
-#pragma unroll
-      for (int i = 0; i < 4; ++i) d[i] += __shfl_xor_sync(FULL, d[i], 2);
-      if (t < 2) {
-        // A row g + 8 h = column k = k0 + 2 (2 np + h) of n-tile 2 np + h, inside k0's block of 16
-        float* part = sm.red + wr * UPART + upart_at(64 * wc + 16 * (g >> 1) + (g & 1)) + 2 * t;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          *reinterpret_cast<float2*>(part + 8 * (2 * np + h)) = make_float2(d[2 * h], d[2 * h + 1]);
+        mma_tf32_k8(d, tf32_rest(y[0][0]), tf32_rest(y[1][0]), tf32_rest(y[0][1]), tf32_rest(y[1][1]),
+                    bx[mt][h][0], bx[mt][h][1]);
+        mma_tf32_k8(d, tf32_part(y[0][0]), tf32_part(y[1][0]), tf32_part(y[0][1]), tf32_part(y[1][1]),
+                    bx[mt][h][0], bx[mt][h][1]);
       }
+    // columns n = 2 t, 2 t + 1: the qv part's share of u_n for t < 2, the rest's share of u_{n-4} for t >= 2
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[i] += __shfl_xor_sync(FULL, d[i], 2);
+    if (t < 2) {
+      // A row g + 8 h = column k = k0 + 2 (2 np + h) of n-tile 2 np + h, inside k0's block of 16
+      float* part = sm.red + at.wr * UPART + upart_at(64 * at.wc + 16 * (g >> 1) + (g & 1)) + 2 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(part + 8 * (2 * np + h)) = make_float2(d[2 * h], d[2 * h + 1]);
     }
   }
+}
+
+// u_new = fp16(the 4 row-warps' partials of S^T qv) and q_new = fp16(qv), each thread two values of each: to global
+// memory, and as fp16 pairs (-u_new^T, q_new^T) for the residual's mma.
+template <bool POOL>
+__device__ __forceinline__ void store_tokens(const FlushParams& p, Smem& sm, Records rec) {
+  const int tx7 = fresh_tid();                       // (from tid, it spills in the deployment form)
+  const int k = tx7 >> 1, jp = (tx7 & 1) * 2;
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float2 o = *reinterpret_cast<const float2*>(sm.red + r * UPART + upart_at(k) + jp);
+    s0 += o.x; s1 += o.y;
+  }
+  const __half h0 = __float2half_rn(s0), h1 = __float2half_rn(s1);
+  __half* u_new = reinterpret_cast<__half*>(static_cast<char*>(p.u_new) + ck_offset<POOL>(rec.ck, 2 * R * K));
+  u_new[jp * token_row<POOL>() + k] = h0;
+  u_new[(jp + 1) * token_row<POOL>() + k] = h1;
+  sm.un16[un16_at(k, tx7 & 1)] = half_pair(__hneg(h0), __hneg(h1));
+  // q_new = fp16(qv): thread (v, pair) rounds qv_{jp}[v], qv_{jp + 1}[v]
+  const int v = k;
+  const __half q0h = __float2half_rn(sm.qvf[jp][v]), q1h = __float2half_rn(sm.qvf[jp + 1][v]);
+  __half* q_new = reinterpret_cast<__half*>(static_cast<char*>(p.q_new) + ck_offset<POOL>(rec.ck, 2 * R * V));
+  q_new[jp * token_row<POOL>() + v] = q0h;
+  q_new[(jp + 1) * token_row<POOL>() + v] = q1h;
+  sm.qn16[v][tx7 & 1] = half_pair(q0h, q1h);
+}
+
+// S^T q0, CGS2, S qk, CGS2, S^T qv from the state in registers; u_new, q_new stored. Barriers #2-#7.
+template <bool POOL>
+__device__ __forceinline__ void subspace_iteration(const FlushParams& p, Smem& sm, Records rec, const Place& at,
+                                                   const float (&acc)[2][8][4]) {
+  st_q0_partials(sm, at, acc);
+  __syncthreads();                                                                                   // #2
+  STAMP(3);
+  if (at.warp == 0) orthonormalise_qk(sm, at.lane);
+  __syncthreads();                                                                                   // #3
+  STAMP(4);
+  s_qk_partials(sm, at, acc);
+  __syncthreads();                                                                                   // #4
+  STAMP(5);
+  if (at.warp == 0) orthonormalise_qv(sm, at.lane);
+  __syncthreads();                                                                                   // #5
+  STAMP(6);
+  st_qv_partials(sm, at, acc);
   __syncthreads();                                                                                   // #6
   STAMP(7);
-  {
-    const int tx7 = fresh_tid();                     // (from tid, the deployment form spilled)
-    const int k = tx7 >> 1, jp = (tx7 & 1) * 2;
-    float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float2 o = *reinterpret_cast<const float2*>(sm.red + r * UPART + upart_at(k) + jp);
-      s0 += o.x; s1 += o.y;
-    }
-    const __half h0 = __float2half_rn(s0), h1 = __float2half_rn(s1);
-    __half* u_new = reinterpret_cast<__half*>(static_cast<char*>(p.u_new) + ck_offset<POOL>(rec.ck, 2 * R * K));
-    u_new[jp * token_row<POOL>() + k] = h0;
-    u_new[(jp + 1) * token_row<POOL>() + k] = h1;
-    sm.un16[un16_at(k, tx7 & 1)] = half_pair(__hneg(h0), __hneg(h1));
-    // q_new = fp16(qv): thread (v, pair) rounds qv_{jp}[v], qv_{jp + 1}[v]
-    const int v = k;
-    const __half q0h = __float2half_rn(sm.qvf[jp][v]), q1h = __float2half_rn(sm.qvf[jp + 1][v]);
-    __half* q_new = reinterpret_cast<__half*>(static_cast<char*>(p.q_new) + ck_offset<POOL>(rec.ck, 2 * R * V));
-    q_new[jp * token_row<POOL>() + v] = q0h;
-    q_new[(jp + 1) * token_row<POOL>() + v] = q1h;
-    sm.qn16[v][tx7 & 1] = half_pair(q0h, q1h);
-  }
+  store_tokens<POOL>(p, sm, rec);
   __syncthreads();                                                                                   // #7
   STAMP(8);
+}
 
-  // ---- 3. residual, scales, codes --------------------------------------------------------------------------------
-  {
-    uint32_t qa[2][2];
+// ---- 3. residual, scales, codes --------------------------------------------------------------------------------
+
+// E = S - q_new^T u_new in place: one fp16 m16n8k8 mma a tile (exact fp16 products onto the fp32 state).
+__device__ __forceinline__ void subtract_tokens(const Smem& sm, const Place& at, float (&acc)[2][8][4]) {
+  const int t = at.t;
+  uint32_t qa[2][2];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const int v0 = 32 * wr + 16 * mt + g;
-      qa[mt][0] = t < 2 ? sm.qn16[v0][t & 1] : 0u;
-      qa[mt][1] = t < 2 ? sm.qn16[v0 + 8][t & 1] : 0u;
-    }
-    // k = 64 wc + 16 (g >> 1) + (g & 1) + 2 nt (at + 4 nt), from a fresh %tid.x (kept from stage 1, it spilled)
-    const int tx = fresh_tid();
-    const uint32_t* un = sm.un16 + un16_at(64 * ((tx >> 5) & 1) + 16 * ((tx >> 3) & 3) + ((tx >> 2) & 1), tx & 1);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const uint32_t b = t < 2 ? un[4 * nt] : 0u;
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) mma_f16_k8(acc[mt][nt], qa[mt][0], qa[mt][1], b);
-    }
+  for (int mt = 0; mt < 2; ++mt) {
+    const int v0 = 32 * at.wr + 16 * mt + at.g;
+    qa[mt][0] = t < 2 ? sm.qn16[v0][t & 1] : 0u;
+    qa[mt][1] = t < 2 ? sm.qn16[v0 + 8][t & 1] : 0u;
   }
-  // s_k: column sums of |E|
-  {
-    float cp[16];
+  // k = 64 wc + 16 (g >> 1) + (g & 1) + 2 nt (at + 4 nt), from a fresh %tid.x (kept from the rebuild, it spills)
+  const int tx = fresh_tid();
+  const uint32_t* un = sm.un16 + un16_at(64 * ((tx >> 5) & 1) + 16 * ((tx >> 3) & 3) + ((tx >> 2) & 1), tx & 1);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+  for (int nt = 0; nt < 8; ++nt) {
+    const uint32_t b = t < 2 ? un[4 * nt] : 0u;
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        cp[2 * nt + e] = (fabsf(acc[0][nt][e]) + fabsf(acc[0][nt][2 + e])) +
-                         (fabsf(acc[1][nt][e]) + fabsf(acc[1][nt][2 + e]));
-    rs_level<16>(cp, (g >> 2) & 1, 16);
-    rs_level<8>(cp, (g >> 1) & 1, 8);
-    rs_level<4>(cp, g & 1, 4);                         // lane keeps nt = g, e = 0, 1
-    *reinterpret_cast<float2*>(sm.red + wr * 128 + colbase + 2 * g) = make_float2(cp[0], cp[1]);
+    for (int mt = 0; mt < 2; ++mt) mma_f16_k8(acc[mt][nt], qa[mt][0], qa[mt][1], b);
   }
-  __syncthreads();                                                                                   // #8
-  STAMP(9);
+}
+
+// This warp's column sums of |E| over its 32 rows, into red[wr][k].
+__device__ __forceinline__ void abs_column_sums(Smem& sm, const Place& at, const float (&acc)[2][8][4]) {
+  const int g = at.g;
+  float cp[16];
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      cp[2 * nt + e] = (fabsf(acc[0][nt][e]) + fabsf(acc[0][nt][2 + e])) +
+                       (fabsf(acc[1][nt][e]) + fabsf(acc[1][nt][2 + e]));
+  rs_level<16>(cp, (g >> 2) & 1, 16);
+  rs_level<8>(cp, (g >> 1) & 1, 8);
+  rs_level<4>(cp, g & 1, 4);                           // lane keeps nt = g, e = 0, 1
+  *reinterpret_cast<float2*>(sm.red + at.wr * 128 + at.colbase + 2 * g) = make_float2(cp[0], cp[1]);
+}
+
+// s_k = sqrt(mean_v |E|) (threads k < 128), stored, and 1 / s_k into isk.
+template <bool POOL>
+__device__ __forceinline__ void store_s_k(const FlushParams& p, Smem& sm, Records rec, int tid) {
   if (tid < K) {
     const float s = (sm.red[tid] + sm.red[128 + tid]) + (sm.red[256 + tid] + sm.red[384 + tid]);
     const float sk = fmaxf(approx_sqrt(s / 128.0f), 1e-12f);
     reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_k_new) + ck_offset<POOL>(rec.ck, 4 * K))[tid] = sk;
     sm.isk[tid] = approx_rcp(sk);
   }
-  __syncthreads();                                                                                   // #9
-  STAMP(10);
+}
+
+// E / s_k in place (the codes need the same products), and this warp's row maxima of |E / s_k| into red[512 + wc
+// 128 + v].
+__device__ __forceinline__ void scale_rows(Smem& sm, const Place& at, float (&acc)[2][8][4]) {
   float isk[16];
   {
-    // the lane's column base read afresh (a volatile read of %tid.x), so that the compiler does not keep the
-    // address from stage 1 alive across the whole kernel (it spilled it)
+    // the lane's column base read afresh: kept from the rebuild, it spills
     const int tx = fresh_tid();
     const float4* isk4 = reinterpret_cast<const float4*>(sm.isk + 64 * ((tx >> 5) & 1) + 16 * (tx & 3));
 #pragma unroll
@@ -811,52 +839,99 @@ __device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Re
       isk[4 * i] = c4.x; isk[4 * i + 1] = c4.y; isk[4 * i + 2] = c4.z; isk[4 * i + 3] = c4.w;
     }
   }
-  // s_v: row max of |E| / s_k
-  {
-    float rm[4];
+  float rm[4];
 #pragma unroll
-    for (int ri = 0; ri < 4; ++ri) {
-      float m = 0.0f;
+  for (int ri = 0; ri < 4; ++ri) {
+    float m = 0.0f;
 #pragma unroll
-      for (int b = 0; b < 16; ++b) {                 // E / s_k in place: the codes need the same products
-        float& e = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)];
-        e *= isk[b];
-        m = fmaxf(m, fabsf(e));
-      }
-      m = fmaxf(m, __shfl_xor_sync(FULL, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(FULL, m, 2));
-      rm[ri] = m;
+    for (int b = 0; b < 16; ++b) {
+      float& e = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)];
+      e *= isk[b];
+      m = fmaxf(m, fabsf(e));
     }
-    if (t == 0) {
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) sm.red[512 + wc * 128 + row_of(ri)] = rm[ri];
-    }
+    m = fmaxf(m, __shfl_xor_sync(FULL, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(FULL, m, 2));
+    rm[ri] = m;
   }
+  if (at.t == 0) {
+#pragma unroll
+    for (int ri = 0; ri < 4; ++ri) sm.red[512 + at.wc * 128 + at.row(ri)] = rm[ri];
+  }
+}
+
+// s_v = the row max of |E / s_k| over both column-warps, stored; codes = round-half-even(E / s_k * 127 / s_v), 16
+// bytes a row.
+template <bool POOL>
+__device__ __forceinline__ void store_codes(const FlushParams& p, const Smem& sm, Records rec, const Place& at,
+                                            const float (&acc)[2][8][4]) {
+  int8_t* codes_new = p.codes_new + ck_offset<POOL>(rec.ck, V * K);
+  float* s_v_new = reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_v_new) + ck_offset<POOL>(rec.ck, 4 * V));
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const int v = at.row(ri);
+    const float sv = fmaxf(fmaxf(sm.red[512 + v], sm.red[640 + v]), 1e-12f);
+    if (at.wc == 0 && at.t == 0) s_v_new[v] = sv;
+    const float step = 127.0f / sv;
+    uint32_t y[16];
+#pragma unroll
+    for (int b = 0; b < 16; ++b) {
+      const float x = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)];
+      y[b] = __float_as_uint(__fmaf_rn(x, step, 12582912.0f));   // round half to even; low byte = the code
+    }
+    uint4 o;
+    o.x = pack_low_bytes(y[0], y[1], y[2], y[3]);
+    o.y = pack_low_bytes(y[4], y[5], y[6], y[7]);
+    o.z = pack_low_bytes(y[8], y[9], y[10], y[11]);
+    o.w = pack_low_bytes(y[12], y[13], y[14], y[15]);
+    *reinterpret_cast<uint4*>(codes_new + v * K + at.colbase) = o;
+  }
+}
+
+// Residual, s_k, s_v and codes from the state in registers (overwritten by E / s_k). Barriers #8-#10.
+template <bool POOL>
+__device__ __forceinline__ void quantize_residual(const FlushParams& p, Smem& sm, Records rec, const Place& at,
+                                                  float (&acc)[2][8][4]) {
+  subtract_tokens(sm, at, acc);
+  abs_column_sums(sm, at, acc);
+  __syncthreads();                                                                                   // #8
+  STAMP(9);
+  store_s_k<POOL>(p, sm, rec, at.tid);
+  __syncthreads();                                                                                   // #9
+  STAMP(10);
+  scale_rows(sm, at, acc);
   __syncthreads();                                                                                   // #10
   STAMP(11);
-  {
-    int8_t* codes_new = p.codes_new + ck_offset<POOL>(rec.ck, V * K);
-    float* s_v_new = reinterpret_cast<float*>(reinterpret_cast<char*>(p.s_v_new) + ck_offset<POOL>(rec.ck, 4 * V));
-#pragma unroll
-    for (int ri = 0; ri < 4; ++ri) {
-      const int v = row_of(ri);
-      const float sv = fmaxf(fmaxf(sm.red[512 + v], sm.red[640 + v]), 1e-12f);
-      if (wc == 0 && t == 0) s_v_new[v] = sv;
-      const float step = 127.0f / sv;
-      uint32_t y[16];
-#pragma unroll
-      for (int b = 0; b < 16; ++b) {
-        const float x = acc[ri >> 1][b >> 1][2 * (ri & 1) + (b & 1)];
-        y[b] = __float_as_uint(__fmaf_rn(x, step, 12582912.0f));   // round half to even; low byte = the code
-      }
-      uint4 o;
-      o.x = pack_low_bytes(y[0], y[1], y[2], y[3]);
-      o.y = pack_low_bytes(y[4], y[5], y[6], y[7]);
-      o.z = pack_low_bytes(y[8], y[9], y[10], y[11]);
-      o.w = pack_low_bytes(y[12], y[13], y[14], y[15]);
-      *reinterpret_cast<uint4*>(codes_new + v * K + colbase) = o;
-    }
+  store_codes<POOL>(p, sm, rec, at, acc);
+}
+
+// One program: wait for its staged inputs, flush it, and (after barrier #1, when the staging area is free) start the
+// copies of the next program's inputs; the deployment form also resets the program's window there.
+template <bool POOL>
+__device__ __forceinline__ void flush_program(const FlushParams& p, Smem& sm, Records rec, Records next,
+                                              bool has_next) {
+  const Place at = this_place();
+  STAMP(0);
+  cp_async_wait_all();
+  __syncthreads();                                                                                   // #0
+  STAMP(1);
+  uint4 cw[4];
+  float svr[4];
+  stage_factors(sm, at, cw, svr);
+  __syncthreads();                                                                                   // #1
+  STAMP(2);
+  if (has_next) prefetch_program<POOL>(p, sm.st, next);
+  if (POOL) {
+    // reset the window (its staged copy is complete): w = 0, pcum = 0, gbuf = 1
+    const size_t win = static_cast<size_t>(rec.win);
+    const uint4 ones = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);   // fp16 1.0 pairs
+    static_cast<uint4*>(p.gbuf)[win * (L * K / 8) + at.tid] = ones;
+    if (at.tid < 32) reinterpret_cast<uint4*>(p.pcum + win * K)[at.tid] = make_uint4(0, 0, 0, 0);
+    else if (at.tid < 36) reinterpret_cast<uint4*>(p.w + win * L)[at.tid - 32] = make_uint4(0, 0, 0, 0);
   }
+  float acc[2][8][4];
+  rebuild_state(sm, at, cw, svr, acc);
+  subspace_iteration<POOL>(p, sm, rec, at, acc);
+  quantize_residual<POOL>(p, sm, rec, at, acc);
 }
 
 // Persistent CTAs, 2 per SM: each flushes its share of the programs one after the other; the next program's inputs

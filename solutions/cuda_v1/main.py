@@ -25,7 +25,7 @@ def extension():
     if _ext is not None:
         return _ext
     from torch.utils.cpp_extension import load
-    # LEAPQUANT_CUDA_LINEINFO=1 adds a line table for profilers (scripts/ncu_profile.py); a build of its own
+    # LEAPQUANT_CUDA_LINEINFO=1 adds a line table for profilers (`python -m harness profile`); a build of its own
     flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
     if os.environ.get("LEAPQUANT_CUDA_LINEINFO") == "1":
         flags.append("-lineinfo")

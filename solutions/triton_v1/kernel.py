@@ -11,7 +11,7 @@ with a 32-wide factor index f:
     f in [20, 24):  A[:, f] = lo(q_{f-20})              B[f] = u_{f-20} * exp(pcum)
     f in [24, 32):  zero while rebuilding S; hi/lo(q_new) against -u_new for the residual E = S - q_new^T u_new
 A holds only bf16-exact values (ubuf is bf16, an fp16 q is hi + lo exactly); B is fp32 and goes to the tensor cores
-as a three-way bf16 split (hi + mid + lo, 24 bits: two-way splits fail the criterion on the hot-row heads).
+as a three-way bf16 split (hi + mid + lo, 24 bits, which the hot-row heads need).
 The three subspace products use the factored form, chunked over 32 rows (columns) of V (K):
     S^T x = B^T (A^T x) + cs * codes^T (s_v x),        S z = A (B z) + s_v * codes (cs z)
 The codes and A products run on tensor cores (codes are exact in bf16; the four vectors are a three-way split in the
@@ -19,11 +19,13 @@ columns 0-3 / 4-7 / 8-11 of a [*, 16] tile, summed when the result vectors are e
 The vectors the chunked loops read (cs * qk, qv) go through the head's own codes_new region as fp32 scratch (the last
 pass overwrites it), behind a CTA barrier.  MGS2 runs on four 1-D vectors.  The residual is rebuilt twice in row
 chunks of VC rows (once for s_k, once for s_v and the codes).  u_new is stored before the residual passes and read
-back (after a CTA barrier) for the rows 24-31 of B.
-Version 2 (NOTES.md; version 1 = commit c779a19): A is built once as bf16 rows in the scratch (bytes [8192, 16384) of
-codes_new; q_new's hi / lo go into its columns 24-31 before the residual) and every chunk loads its rows from there;
+back (after a CTA barrier) for the rows 24-31 of B. A is built once as bf16 rows in the scratch (bytes [8192, 16384)
+of codes_new; q_new's hi / lo go into its columns 24-31 before the residual) and every chunk loads its rows from there;
 the window rows of B come from a sequential per-thread decay product through the scratch (no block-wide scan);
 pass 1 accumulates |E| elementwise and reduces once; pass 2 rounds with one FFMA and needs no clamp.
+
+The kernel runs three stages, one function each: _build_factors (cs, s_v, B, A), _subspace_iteration (qk, qv, u_new,
+q_new), _quantize_residual (s_k, s_v, codes); Triton inlines them.
 
 Config (fixed): 4 warps, num_stages 1, VC = PC = 32, L2 prefetch of the codes and ubuf lines at entry, and a
 128-register cap (4 programs per SM).  NOTES.md has the measurements.
@@ -106,7 +108,7 @@ def _prefetch(ptrs, PF: tl.constexpr):
 @triton.jit
 def _normalize(v):
     # scaled by the largest entry first: a Gram-Schmidt remainder of a rank-deficient state can be ~1e-20, whose
-    # squares flush to zero in fp32 and left v / 1e-30 ~ 1e10, an overflowing "unit" column; a zero column stays zero
+    # squares flush to zero in fp32 (v / 1e-30 would be an overflowing "unit" column); a zero column stays zero
     m = tl.max(tl.abs(v), axis=0)
     t = v / tl.maximum(m, 1e-30)
     return t / tl.maximum(tl.sqrt(tl.sum(t * t, axis=0)), 1e-30)
@@ -149,265 +151,291 @@ def _mgs2(a0, a1, a2, a3):
 
 
 @triton.jit
-def _load_a(ubuf_h, q_h, rv, f, V: tl.constexpr, L: tl.constexpr, QS: tl.constexpr):
+def _load_a(p_ubuf, p_q, rv, f, V: tl.constexpr, L: tl.constexpr, QS: tl.constexpr):
     """A [V, 32]: ubuf in the columns 0-15, the exact bf16 hi / lo parts of q (rows QS apart) in 16-19 / 20-23,
     zero beyond."""
-    ub = tl.load(ubuf_h + f[None, :] * V + rv[:, None], mask=f[None, :] < L, other=0.0).to(tl.float32)
-    qa = tl.load(q_h + (f[None, :] % 4) * QS + rv[:, None], mask=(f[None, :] >= 16) & (f[None, :] < 24),
-                 other=0.0).to(tl.float32)
-    qhi = _bf(qa)
-    return ub + tl.where(f[None, :] >= 20, qa - qhi, qhi)
+    b_ub = tl.load(p_ubuf + f[None, :] * V + rv[:, None], mask=f[None, :] < L, other=0.0).to(tl.float32)
+    m_q = (f[None, :] >= 16) & (f[None, :] < 24)
+    b_qa = tl.load(p_q + (f[None, :] % 4) * QS + rv[:, None], mask=m_q, other=0.0).to(tl.float32)
+    b_qhi = _bf(b_qa)
+    return b_ub + tl.where(f[None, :] >= 20, b_qa - b_qhi, b_qhi)
 
 
 @triton.jit
-def _store_qn(ascr, v, rv, j: tl.constexpr):
+def _store_qn(p_a, b_v, rv, j: tl.constexpr):
     """A's columns 24 + j / 28 + j: the exact bf16 hi / lo parts of the fp16-rounded q_new_j."""
-    qn = v.to(tl.float16).to(tl.float32)
-    hi = _bf(qn)
-    tl.store(ascr + rv * 32 + 24 + j, hi.to(tl.bfloat16))
-    tl.store(ascr + rv * 32 + 28 + j, (qn - hi).to(tl.bfloat16))
+    b_qn = b_v.to(tl.float16).to(tl.float32)
+    b_hi = _bf(b_qn)
+    tl.store(p_a + rv * 32 + 24 + j, b_hi.to(tl.bfloat16))
+    tl.store(p_a + rv * 32 + 28 + j, (b_qn - b_hi).to(tl.bfloat16))
 
 
 @triton.jit
-def _st_product(x_ptr, sxv, sxj, ascr, codes_h, sv_h, bf, cs, c16, f, rk,
+def _st_product(p_x, sxv, sxj, p_a, p_codes, p_sv, b_fac, b_cs, c16, f, rk,
                 V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, PC: tl.constexpr, TC: tl.constexpr):
-    """S^T x_j (j < 4) for vectors x_j[v] at x_ptr + v * sxv + j * sxj, in chunks of PC rows of V:
+    """S^T x_j (j < 4) for vectors x_j[v] at p_x + v * sxv + j * sxj, in chunks of PC rows of V:
     S^T x = B^T (A^T x) + cs * codes^T (s_v x)."""
-    g = tl.zeros([32, 16], dtype=tl.float32)
-    rc = tl.zeros([K, 16], dtype=tl.float32)
+    b_g = tl.zeros([32, 16], dtype=tl.float32)
+    b_rc = tl.zeros([K, 16], dtype=tl.float32)
     for v0 in range(0, V, PC):
         rv = v0 + tl.arange(0, PC)
-        xt = tl.load(x_ptr + rv[:, None] * sxv + (c16[None, :] % 4) * sxj, mask=c16[None, :] < 12, other=0.0)
-        svc = tl.load(sv_h + rv)
-        a_c = tl.load(ascr + rv[:, None] * 32 + f[None, :])                        # [PC, 32] bf16
-        g += _mm(tl.trans(a_c), _split3(xt, c16), TC)                            # [32, 16]  A^T X (A exact)
-        cd = tl.load(codes_h + rv[:, None] * K + rk[None, :])                    # [PC, K] int8
-        rc += _mm(tl.trans(cd), _split3(svc[:, None] * xt, c16), TC)             # [K, 16]  codes^T (s_v X)
-    o0 = cs * _col(rc, c16, 0) + tl.sum(bf * _col(g, c16, 0)[:, None], axis=0)
-    o1 = cs * _col(rc, c16, 1) + tl.sum(bf * _col(g, c16, 1)[:, None], axis=0)
-    o2 = cs * _col(rc, c16, 2) + tl.sum(bf * _col(g, c16, 2)[:, None], axis=0)
-    o3 = cs * _col(rc, c16, 3) + tl.sum(bf * _col(g, c16, 3)[:, None], axis=0)
-    return o0, o1, o2, o3
+        b_x = tl.load(p_x + rv[:, None] * sxv + (c16[None, :] % 4) * sxj, mask=c16[None, :] < 12, other=0.0)
+        b_svc = tl.load(p_sv + rv)
+        b_ac = tl.load(p_a + rv[:, None] * 32 + f[None, :])                      # [PC, 32] bf16
+        b_g += _mm(tl.trans(b_ac), _split3(b_x, c16), TC)                        # [32, 16]  A^T X (A exact)
+        b_cd = tl.load(p_codes + rv[:, None] * K + rk[None, :])                  # [PC, K] int8
+        b_rc += _mm(tl.trans(b_cd), _split3(b_svc[:, None] * b_x, c16), TC)      # [K, 16]  codes^T (s_v X)
+    b_o0 = b_cs * _col(b_rc, c16, 0) + tl.sum(b_fac * _col(b_g, c16, 0)[:, None], axis=0)
+    b_o1 = b_cs * _col(b_rc, c16, 1) + tl.sum(b_fac * _col(b_g, c16, 1)[:, None], axis=0)
+    b_o2 = b_cs * _col(b_rc, c16, 2) + tl.sum(b_fac * _col(b_g, c16, 2)[:, None], axis=0)
+    b_o3 = b_cs * _col(b_rc, c16, 3) + tl.sum(b_fac * _col(b_g, c16, 3)[:, None], axis=0)
+    return b_o0, b_o1, b_o2, b_o3
 
 
 @triton.jit
-def _s_product(z_ptr, z0, z1, z2, z3, ascr, codes_h, bf, sv, c16, f, rv,
+def _s_product(p_z, b_z0, b_z1, b_z2, b_z3, p_a, p_codes, b_fac, b_sv, c16, f, rv,
                V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, PC: tl.constexpr, TC: tl.constexpr):
-    """S z_j for the vectors z_j over K (in registers; cs * z_j also at z_ptr + j * K + k), in chunks of PC
+    """S z_j for the vectors z_j over K (in registers; cs * z_j also at p_z + j * K + k), in chunks of PC
     columns of K:  S z = A (B z) + s_v * codes (cs z)."""
-    h0 = tl.sum(bf * z0[None, :], axis=1)                                        # [32]  B z_j  (fp32)
-    h1 = tl.sum(bf * z1[None, :], axis=1)
-    h2 = tl.sum(bf * z2[None, :], axis=1)
-    h3 = tl.sum(bf * z3[None, :], axis=1)
-    t = _mm(tl.load(ascr + rv[:, None] * 32 + f[None, :]), _split3(_assemble(h0, h1, h2, h3, c16), c16), TC)   # [V, 16]
-    rc = tl.zeros([V, 16], dtype=tl.float32)
+    b_h0 = tl.sum(b_fac * b_z0[None, :], axis=1)                                 # [32]  B z_j  (fp32)
+    b_h1 = tl.sum(b_fac * b_z1[None, :], axis=1)
+    b_h2 = tl.sum(b_fac * b_z2[None, :], axis=1)
+    b_h3 = tl.sum(b_fac * b_z3[None, :], axis=1)
+    b_t = _mm(tl.load(p_a + rv[:, None] * 32 + f[None, :]),
+              _split3(_assemble(b_h0, b_h1, b_h2, b_h3, c16), c16), TC)          # [V, 16]
+    b_rc = tl.zeros([V, 16], dtype=tl.float32)
     for k0 in range(0, K, PC):
         rkc = k0 + tl.arange(0, PC)
-        zt = tl.load(z_ptr + rkc[:, None] + (c16[None, :] % 4) * K, mask=c16[None, :] < 12, other=0.0)
-        cd = tl.load(codes_h + rv[:, None] * K + rkc[None, :])                   # [V, PC] int8
-        rc += _mm(cd, _split3(zt, c16), TC)                                      # [V, 16]  codes (cs Z)
-    o0 = sv * _col(rc, c16, 0) + _col(t, c16, 0)
-    o1 = sv * _col(rc, c16, 1) + _col(t, c16, 1)
-    o2 = sv * _col(rc, c16, 2) + _col(t, c16, 2)
-    o3 = sv * _col(rc, c16, 3) + _col(t, c16, 3)
-    return o0, o1, o2, o3
+        b_zc = tl.load(p_z + rkc[:, None] + (c16[None, :] % 4) * K, mask=c16[None, :] < 12, other=0.0)
+        b_cd = tl.load(p_codes + rv[:, None] * K + rkc[None, :])                 # [V, PC] int8
+        b_rc += _mm(b_cd, _split3(b_zc, c16), TC)                                # [V, 16]  codes (cs Z)
+    b_o0 = b_sv * _col(b_rc, c16, 0) + _col(b_t, c16, 0)
+    b_o1 = b_sv * _col(b_rc, c16, 1) + _col(b_t, c16, 1)
+    b_o2 = b_sv * _col(b_rc, c16, 2) + _col(b_t, c16, 2)
+    b_o3 = b_sv * _col(b_rc, c16, 3) + _col(b_t, c16, 3)
+    return b_o0, b_o1, b_o2, b_o3
 
 
 @triton.jit
-def _residual_chunk(v0, codes_h, sv_h, ascr, bh, bm, bl, cs, rk,
+def _residual_chunk(v0, p_codes, p_sv, p_a, b_fh, b_fm, b_fl, b_cs, rk,
                     V: tl.constexpr, K: tl.constexpr, VC: tl.constexpr, TC: tl.constexpr):
     """E rows [v0, v0 + VC) = A_c B + diag(s_v) codes diag(cs), A (with q_new in its columns 24-31) read from the
-    scratch as bf16 rows."""
+    scratch as bf16 rows, B as its three bf16 splits."""
     rv = v0 + tl.arange(0, VC)
     f = tl.arange(0, 32)
-    a_c = tl.load(ascr + rv[:, None] * 32 + f[None, :])
-    acc = _mm(a_c, bh, TC)
-    acc += _mm(a_c, bm, TC)
-    acc += _mm(a_c, bl, TC)
-    cd = tl.load(codes_h + rv[:, None] * K + rk[None, :]).to(tl.float32)
-    svc = tl.load(sv_h + rv)
-    return acc + (cd * svc[:, None]) * cs[None, :]
+    b_ac = tl.load(p_a + rv[:, None] * 32 + f[None, :])
+    b_acc = _mm(b_ac, b_fh, TC)
+    b_acc += _mm(b_ac, b_fm, TC)
+    b_acc += _mm(b_ac, b_fl, TC)
+    b_cd = tl.load(p_codes + rv[:, None] * K + rk[None, :]).to(tl.float32)
+    b_svc = tl.load(p_sv + rv)
+    return b_acc + (b_cd * b_svc[:, None]) * b_cs[None, :]
 
 
 @triton.jit
-def _flush_kernel(codes_ptr, sk_ptr, sv_ptr, u_ptr, q_ptr, kbuf_ptr, ubuf_ptr, gbuf_ptr, w_ptr, pcum_ptr, q0_ptr,
-                  codes_out, sk_out, sv_out, u_out, q_out,
+def _build_factors(p_codes, p_sk, p_sv, p_u, p_q, p_kbuf, p_ubuf, p_gbuf, p_w, p_pcum, p_scr, p_a,
+                   V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, US: tl.constexpr, QS: tl.constexpr):
+    """Stage 1, the factored state: cs and s_v; B [32, K] (rows 24-31 zero while rebuilding S) in registers; A
+    [V, 32] as bf16 rows at p_a. Returns (cs, s_v, B)."""
+    rv = tl.arange(0, V)
+    rk = tl.arange(0, K)
+    f = tl.arange(0, 32)
+    b_e = tl.exp(tl.load(p_pcum + rk))
+    b_cs = tl.load(p_sk + rk) * (1.0 / 127.0) * b_e                                     # [K]
+    b_sv = tl.load(p_sv + rv)                                                           # [V]
+    # window rows w_f kbuf_f D_f, D_f = prod_{i > f} g_i, one 1-D row at a time (a sequential product in each
+    # thread instead of a block-wide scan), through the scratch into the [32, K] tile
+    b_d = tl.full([K], 1.0, dtype=tl.float32)
+    for jj in tl.static_range(L):
+        j = L - 1 - jj
+        b_kbj = tl.load(p_kbuf + j * K + rk).to(tl.float32)
+        tl.store(p_scr + 2048 + j * K + rk, tl.load(p_w + j) * b_kbj * b_d)
+        b_d = b_d * tl.load(p_gbuf + j * K + rk).to(tl.float32)
+    tl.debug_barrier()
+    b_kw = tl.load(p_scr + 2048 + f[:, None] * K + rk[None, :], mask=f[:, None] < L, other=0.0)
+    m_u = (f[:, None] >= 16) & (f[:, None] < 24)
+    b_uu = tl.load(p_u + (f % 4)[:, None] * US + rk[None, :], mask=m_u, other=0.0).to(tl.float32)
+    b_fac = b_kw + b_uu * b_e[None, :]
+    # A over the window rows of the scratch (now in registers); the residual's codes stores of a chunk never reach
+    # the A rows of a later chunk
+    tl.debug_barrier()
+    tl.store(p_a + rv[:, None] * 32 + f[None, :], _load_a(p_ubuf, p_q, rv, f, V, L, QS).to(tl.bfloat16))
+    tl.debug_barrier()
+    return b_cs, b_sv, b_fac
+
+
+@triton.jit
+def _subspace_iteration(p_q0, p_codes, p_sv, p_scr, p_a, p_u_o, p_q_o, b_fac, b_cs, b_sv,
+                        V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, R: tl.constexpr, PC: tl.constexpr,
+                        TC: tl.constexpr, US: tl.constexpr, QS: tl.constexpr):
+    """Stage 2: qk = MGS2(S^T q0), qv = MGS2(S qk), u = S^T qv; q_new = fp16(qv) and u_new = fp16(u) stored, and
+    q_new's bf16 hi / lo parts into A's columns 24-31."""
+    rv = tl.arange(0, V)
+    rk = tl.arange(0, K)
+    f = tl.arange(0, 32)
+    c16 = tl.arange(0, 16)
+    b_a0, b_a1, b_a2, b_a3 = _st_product(p_q0, R, 1, p_a, p_codes, p_sv, b_fac, b_cs, c16, f, rk, V, K, L, PC, TC)
+    b_k0, b_k1, b_k2, b_k3 = _mgs2(b_a0, b_a1, b_a2, b_a3)
+
+    tl.store(p_scr + 0 * K + rk, b_cs * b_k0)
+    tl.store(p_scr + 1 * K + rk, b_cs * b_k1)
+    tl.store(p_scr + 2 * K + rk, b_cs * b_k2)
+    tl.store(p_scr + 3 * K + rk, b_cs * b_k3)
+    tl.debug_barrier()
+    b_s0, b_s1, b_s2, b_s3 = _s_product(p_scr, b_k0, b_k1, b_k2, b_k3, p_a, p_codes, b_fac, b_sv, c16, f, rv,
+                                        V, K, L, PC, TC)
+    b_v0, b_v1, b_v2, b_v3 = _mgs2(b_s0, b_s1, b_s2, b_s3)
+
+    tl.store(p_scr + 512 + 0 * V + rv, b_v0)
+    tl.store(p_scr + 512 + 1 * V + rv, b_v1)
+    tl.store(p_scr + 512 + 2 * V + rv, b_v2)
+    tl.store(p_scr + 512 + 3 * V + rv, b_v3)
+    tl.debug_barrier()
+    b_u0, b_u1, b_u2, b_u3 = _st_product(p_scr + 512, 1, V, p_a, p_codes, p_sv, b_fac, b_cs, c16, f, rk,
+                                         V, K, L, PC, TC)
+
+    tl.store(p_q_o + 0 * QS + rv, b_v0.to(tl.float16))
+    tl.store(p_q_o + 1 * QS + rv, b_v1.to(tl.float16))
+    tl.store(p_q_o + 2 * QS + rv, b_v2.to(tl.float16))
+    tl.store(p_q_o + 3 * QS + rv, b_v3.to(tl.float16))
+    tl.store(p_u_o + 0 * US + rk, b_u0.to(tl.float16))
+    tl.store(p_u_o + 1 * US + rk, b_u1.to(tl.float16))
+    tl.store(p_u_o + 2 * US + rk, b_u2.to(tl.float16))
+    tl.store(p_u_o + 3 * US + rk, b_u3.to(tl.float16))
+    tl.debug_barrier()      # every thread's A loads of the last product are done before A's columns 24-31 change
+    _store_qn(p_a, b_v0, rv, 0)
+    _store_qn(p_a, b_v1, rv, 1)
+    _store_qn(p_a, b_v2, rv, 2)
+    _store_qn(p_a, b_v3, rv, 3)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _quantize_residual(p_codes, p_sv, p_a, p_u_o, p_codes_o, p_sk_o, p_sv_o, b_fac, b_cs,
+                       V: tl.constexpr, K: tl.constexpr, VC: tl.constexpr, TC: tl.constexpr, US: tl.constexpr):
+    """Stage 3: the residual E = S - q_new^T u_new (B's rows 24-31 = -u_new against q_new in A's columns 24-31),
+    s_k, s_v and the codes, rebuilt in row chunks twice: once for s_k, once for s_v and the codes."""
+    rk = tl.arange(0, K)
+    f = tl.arange(0, 32)
+    # -u_new: fp16, so its bf16 hi + lo is exact
+    b_un = tl.load(p_u_o + (f % 4)[:, None] * US + rk[None, :], mask=f[:, None] >= 24, other=0.0).to(tl.float32)
+    b_fac = b_fac - b_un
+    b_fh = _bf(b_fac)
+    b_fr = b_fac - b_fh
+    b_fm = _bf(b_fr)
+    b_fl = _bf(b_fr - b_fm)
+
+    # pass 1: s_k = sqrt(mean_v |E|)
+    b_abs = tl.zeros([VC, K], dtype=tl.float32)
+    for v0c in range(0, V, VC):
+        b_ec = _residual_chunk(v0c, p_codes, p_sv, p_a, b_fh, b_fm, b_fl, b_cs, rk, V, K, VC, TC)
+        b_abs += tl.abs(b_ec)
+    b_colsum = tl.sum(b_abs, axis=0)
+    b_sk = tl.sqrt(b_colsum * (1.0 / V))
+    b_sk = tl.maximum(b_sk, 1e-12)
+    tl.store(p_sk_o + rk, b_sk)
+    b_isk = 1.0 / b_sk
+
+    # pass 2: s_v = max_k |E| / s_k, codes = round(127 E / (s_k s_v))
+    for v0c in range(0, V, VC):
+        b_ec = _residual_chunk(v0c, p_codes, p_sv, p_a, b_fh, b_fm, b_fl, b_cs, rk, V, K, VC, TC)
+        tl.debug_barrier()
+        b_t = b_ec * b_isk[None, :]
+        b_svn = tl.maximum(tl.max(tl.abs(b_t), axis=1), 1e-12)
+        # |t| <= svn, so |127 t / svn| <= 127 (1 + 2^-23) rounds into [-127, 127]: no clamp.  Round half to even
+        # by the 1.5 * 2^23 add (one FFMA); the int8 code is the low byte of the sum's bits
+        b_ir = (b_t * (127.0 / b_svn)[:, None] + 12582912.0).to(tl.int32, bitcast=True)
+        rvc = v0c + tl.arange(0, VC)
+        tl.store(p_codes_o + rvc[:, None] * K + rk[None, :], b_ir.to(tl.int8))
+        tl.store(p_sv_o + rvc, b_svn)
+
+
+@triton.jit
+def _flush_kernel(p_codes_in, p_sk_in, p_sv_in, p_u_in, p_q_in, p_kbuf_in, p_ubuf_in, p_gbuf_in, p_w_in, p_pcum_in,
+                  p_q0, p_codes_out, p_sk_out, p_sv_out, p_u_out, p_q_out,
                   V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, R: tl.constexpr, VC: tl.constexpr,
                   PC: tl.constexpr, TC: tl.constexpr, PF: tl.constexpr,
-                  idx_ptr=None, count_ptr=None, scratch_ptr=None, num_slots=None,
+                  p_idx=None, p_count=None, p_scratch=None, num_slots=None,
                   POOL: tl.constexpr = False, H: tl.constexpr = 1, REGION: tl.constexpr = 0):
     tl.static_assert(L == 16)
     tl.static_assert(R == 4)
     pid = tl.program_id(0).to(tl.int64)
     if POOL:
         # deployment form (pool.py): program pid = (sequence, head); the checkpoint is read and written in place in
-        # the region of (idx[sequence], head) of one flat buffer (codes_ptr ... q_ptr point at the fields of region
-        # 0; H + 1 regions a slot, the last one spare; the u | q rows K + V apart); the window, pcum and fill
+        # the region of (idx[sequence], head) of one flat buffer (p_codes_in ... p_q_in point at the fields of
+        # region 0; H + 1 regions a slot, the last one spare; the u | q rows K + V apart); the window, pcum and fill
         # counter are dense [slots, H, ...]; a program whose slot is 0 (no sequence), out of range or not full
         # returns at once
         seq = pid // H
         head = pid % H
-        slot = tl.load(idx_ptr + seq).to(tl.int64)
-        valid = (slot > 0) & (slot < num_slots)
-        count = tl.load(count_ptr + slot * H + head, mask=valid, other=0)
+        slot = tl.load(p_idx + seq).to(tl.int64)
+        m_slot = (slot > 0) & (slot < num_slots)
+        count = tl.load(p_count + slot * H + head, mask=m_slot, other=0)
         if count != L:
             return
         prog = slot * H + head
         region = slot * (H + 1) + head
         US: tl.constexpr = K + V
         QS: tl.constexpr = K + V
-        codes_h = codes_ptr + region * REGION
-        sk_h = sk_ptr + region * (REGION // 4)
-        sv_h = sv_ptr + region * (REGION // 4)
-        u_h = u_ptr + region * (REGION // 2)
-        q_h = q_ptr + region * (REGION // 2)
-        codes_o = codes_h
-        sk_o = sk_h
-        sv_o = sv_h
-        u_o = u_h
-        q_o = q_h
+        p_codes = p_codes_in + region * REGION
+        p_sk = p_sk_in + region * (REGION // 4)
+        p_sv = p_sv_in + region * (REGION // 4)
+        p_u = p_u_in + region * (REGION // 2)
+        p_q = p_q_in + region * (REGION // 2)
+        p_codes_o = p_codes
+        p_sk_o = p_sk
+        p_sv_o = p_sv
+        p_u_o = p_u
+        p_q_o = p_q
         # the kernel's scratch may not be the codes region it still reads: a separate 16 KB per (slot, head)
-        scratch = scratch_ptr + prog * (V * K)
+        p_scratch_h = p_scratch + prog * (V * K)
     else:
         prog = pid
         US: tl.constexpr = K
         QS: tl.constexpr = V
-        codes_h = codes_ptr + pid * (V * K)
-        sk_h = sk_ptr + pid * K
-        sv_h = sv_ptr + pid * V
-        u_h = u_ptr + pid * (R * K)
-        q_h = q_ptr + pid * (R * V)
-        codes_o = codes_out + pid * (V * K)
-        sk_o = sk_out + pid * K
-        sv_o = sv_out + pid * V
-        u_o = u_out + pid * (R * K)
-        q_o = q_out + pid * (R * V)
-        scratch = codes_o
-    kbuf_h = kbuf_ptr + prog * (L * K)
-    ubuf_h = ubuf_ptr + prog * (L * V)
-    gbuf_h = gbuf_ptr + prog * (L * K)
-    w_h = w_ptr + prog * L
-    pcum_h = pcum_ptr + prog * K
-
-    rv = tl.arange(0, V)
-    rk = tl.arange(0, K)
-    f = tl.arange(0, 32)
-    fr = f % 4
-    c16 = tl.arange(0, 16)
+        p_codes = p_codes_in + pid * (V * K)
+        p_sk = p_sk_in + pid * K
+        p_sv = p_sv_in + pid * V
+        p_u = p_u_in + pid * (R * K)
+        p_q = p_q_in + pid * (R * V)
+        p_codes_o = p_codes_out + pid * (V * K)
+        p_sk_o = p_sk_out + pid * K
+        p_sv_o = p_sv_out + pid * V
+        p_u_o = p_u_out + pid * (R * K)
+        p_q_o = p_q_out + pid * (R * V)
+        p_scratch_h = p_codes_o
+    p_kbuf = p_kbuf_in + prog * (L * K)
+    p_ubuf = p_ubuf_in + prog * (L * V)
+    p_gbuf = p_gbuf_in + prog * (L * K)
+    p_w = p_w_in + prog * L
+    p_pcum = p_pcum_in + prog * K
 
     # ---- the codes (16 KB) and ubuf (4 KB) are first read chunk by chunk: ask for all their lines now. The window
-    # rows are read one after the other below, each behind a store the compiler cannot move it past (it may alias):
-    # without their lines in L1 first, that is 16 HBM round trips in a row (12% of the stall samples, ncu)
+    # rows are read one after the other, each behind a store the compiler cannot move it past (it may alias): without
+    # their lines in L1 first, that is 16 HBM round trips in a row
     if TC:
-        _prefetch(codes_h + tl.arange(0, (V * K) // 128) * 128, PF)
-        _prefetch(ubuf_h + tl.arange(0, (L * V * 2) // 128) * 64, PF)
-        _prefetch(kbuf_h + tl.arange(0, (L * K * 2) // 128) * 64, 2)
-        _prefetch(gbuf_h + tl.arange(0, (L * K * 2) // 128) * 64, 2)
-        _prefetch(pcum_h + tl.arange(0, (K * 4) // 128) * 32, 2)
+        _prefetch(p_codes + tl.arange(0, (V * K) // 128) * 128, PF)
+        _prefetch(p_ubuf + tl.arange(0, (L * V * 2) // 128) * 64, PF)
+        _prefetch(p_kbuf + tl.arange(0, (L * K * 2) // 128) * 64, 2)
+        _prefetch(p_gbuf + tl.arange(0, (L * K * 2) // 128) * 64, 2)
+        _prefetch(p_pcum + tl.arange(0, (K * 4) // 128) * 32, 2)
 
-    # ---- per-head vectors
-    e = tl.exp(tl.load(pcum_h + rk))
-    cs = tl.load(sk_h + rk) * (1.0 / 127.0) * e                                          # [K]
-    sv = tl.load(sv_h + rv)                                                              # [V]
-
-    # ---- B [32, K] (rows 24-31 zero while rebuilding S)
-    # scratch (16 KB; the head's codes_new region, written only by the last pass, outside the pool), as fp32:
-    # [0, 512) cs * qk_j over K, [512, 1024) qv_j over V, [2048, 4096) the window rows of B
-    scr = scratch.to(tl.pointer_type(tl.float32))
-    # window rows w_f kbuf_f D_f, D_f = prod_{i > f} g_i, one 1-D row at a time (a sequential product in each
-    # thread instead of a block-wide scan), through the scratch into the [32, K] tile
-    d = tl.full([K], 1.0, dtype=tl.float32)
-    for jj in tl.static_range(L):
-        j = L - 1 - jj
-        kbj = tl.load(kbuf_h + j * K + rk).to(tl.float32)
-        tl.store(scr + 2048 + j * K + rk, tl.load(w_h + j) * kbj * d)
-        d = d * tl.load(gbuf_h + j * K + rk).to(tl.float32)
-    tl.debug_barrier()
-    kw = tl.load(scr + 2048 + f[:, None] * K + rk[None, :], mask=f[:, None] < L, other=0.0)
-    uu = tl.load(u_h + fr[:, None] * US + rk[None, :], mask=(f[:, None] >= 16) & (f[:, None] < 24),
-                 other=0.0).to(tl.float32)
-    b = kw + uu * e[None, :]
-    # A [V, 32] as bf16 rows in the scratch bytes [8192, 16384) (over the window rows, now in registers; the
-    # residual's codes stores of a chunk never reach the A rows of a later chunk): ubuf, hi / lo of q, zero in
-    # the columns 24-31 until q_new is known
-    ascr = (scratch + 8192).to(tl.pointer_type(tl.bfloat16))
-    tl.debug_barrier()
-    tl.store(ascr + rv[:, None] * 32 + f[None, :], _load_a(ubuf_h, q_h, rv, f, V, L, QS).to(tl.bfloat16))
-    tl.debug_barrier()
-
-    # ---- 1. qk = MGS2(S^T q0)
-    a0, a1, a2, a3 = _st_product(q0_ptr, R, 1, ascr, codes_h, sv_h, b, cs, c16, f, rk, V, K, L, PC, TC)
-    k0, k1, k2, k3 = _mgs2(a0, a1, a2, a3)
-
-    # ---- 2. qv = MGS2(S qk)
-    tl.store(scr + 0 * K + rk, cs * k0)
-    tl.store(scr + 1 * K + rk, cs * k1)
-    tl.store(scr + 2 * K + rk, cs * k2)
-    tl.store(scr + 3 * K + rk, cs * k3)
-    tl.debug_barrier()
-    b0, b1, b2, b3 = _s_product(scr, k0, k1, k2, k3, ascr, codes_h, b, sv, c16, f, rv, V, K, L, PC, TC)
-    v0, v1, v2, v3 = _mgs2(b0, b1, b2, b3)
-
-    # ---- 3. uk = S^T qv
-    tl.store(scr + 512 + 0 * V + rv, v0)
-    tl.store(scr + 512 + 1 * V + rv, v1)
-    tl.store(scr + 512 + 2 * V + rv, v2)
-    tl.store(scr + 512 + 3 * V + rv, v3)
-    tl.debug_barrier()
-    u0, u1, u2, u3 = _st_product(scr + 512, 1, V, ascr, codes_h, sv_h, b, cs, c16, f, rk, V, K, L, PC, TC)
-
-    tl.store(q_o + 0 * QS + rv, v0.to(tl.float16))
-    tl.store(q_o + 1 * QS + rv, v1.to(tl.float16))
-    tl.store(q_o + 2 * QS + rv, v2.to(tl.float16))
-    tl.store(q_o + 3 * QS + rv, v3.to(tl.float16))
-    tl.store(u_o + 0 * US + rk, u0.to(tl.float16))
-    tl.store(u_o + 1 * US + rk, u1.to(tl.float16))
-    tl.store(u_o + 2 * US + rk, u2.to(tl.float16))
-    tl.store(u_o + 3 * US + rk, u3.to(tl.float16))
-    tl.debug_barrier()      # every thread's A loads of the last product are done before A's columns 24-31 change
-    _store_qn(ascr, v0, rv, 0)
-    _store_qn(ascr, v1, rv, 1)
-    _store_qn(ascr, v2, rv, 2)
-    _store_qn(ascr, v3, rv, 3)
-    tl.debug_barrier()
-
-    # ---- residual: B rows 24-31 = -u_new (fp16, hi + lo exact)
-    un = tl.load(u_o + fr[:, None] * US + rk[None, :], mask=f[:, None] >= 24, other=0.0).to(tl.float32)
-    b = b - un
-    bh = _bf(b)
-    br = b - bh
-    bm = _bf(br)
-    bl = _bf(br - bm)
-
-    # pass 1: s_k = sqrt(mean_v |E|)
-    absacc = tl.zeros([VC, K], dtype=tl.float32)
-    for v0c in range(0, V, VC):
-        ec = _residual_chunk(v0c, codes_h, sv_h, ascr, bh, bm, bl, cs, rk, V, K, VC, TC)
-        absacc += tl.abs(ec)
-    colsum = tl.sum(absacc, axis=0)
-    sk_new = tl.sqrt(colsum * (1.0 / V))
-    sk_new = tl.maximum(sk_new, 1e-12)
-    tl.store(sk_o + rk, sk_new)
-    inv_sk = 1.0 / sk_new
-
-    # pass 2: s_v = max_k |E| / s_k, codes = round(127 E / (s_k s_v))
-    for v0c in range(0, V, VC):
-        ec = _residual_chunk(v0c, codes_h, sv_h, ascr, bh, bm, bl, cs, rk, V, K, VC, TC)
-        tl.debug_barrier()
-        t = ec * inv_sk[None, :]
-        svn = tl.maximum(tl.max(tl.abs(t), axis=1), 1e-12)
-        # |t| <= svn, so |127 t / svn| <= 127 (1 + 2^-23) rounds into [-127, 127]: no clamp.  Round half to even
-        # by the 1.5 * 2^23 add (one FFMA); the int8 code is the low byte of the sum's bits
-        ir = (t * (127.0 / svn)[:, None] + 12582912.0).to(tl.int32, bitcast=True)
-        rvc = v0c + tl.arange(0, VC)
-        tl.store(codes_o + rvc[:, None] * K + rk[None, :], ir.to(tl.int8))
-        tl.store(sv_o + rvc, svn)
+    # scratch (16 KB; the head's codes_new region, written only by the last pass, outside the pool): as fp32,
+    # [0, 512) cs * qk_j over K, [512, 1024) qv_j over V, [2048, 4096) the window rows of B; bytes [8192, 16384)
+    # A as bf16 rows
+    p_scr = p_scratch_h.to(tl.pointer_type(tl.float32))
+    p_a = (p_scratch_h + 8192).to(tl.pointer_type(tl.bfloat16))
+    b_cs, b_sv, b_fac = _build_factors(p_codes, p_sk, p_sv, p_u, p_q, p_kbuf, p_ubuf, p_gbuf, p_w, p_pcum, p_scr, p_a,
+                                       V, K, L, US, QS)
+    _subspace_iteration(p_q0, p_codes, p_sv, p_scr, p_a, p_u_o, p_q_o, b_fac, b_cs, b_sv, V, K, L, R, PC, TC, US, QS)
+    _quantize_residual(p_codes, p_sv, p_a, p_u_o, p_codes_o, p_sk_o, p_sv_o, b_fac, b_cs, V, K, VC, TC, US)
 
     if POOL:
         # window reset (the counter stays L); every thread read the window before the barriers above
-        tl.store(w_h + tl.arange(0, L), tl.zeros([L], dtype=tl.float32))
-        tl.store(pcum_h + rk, tl.zeros([K], dtype=tl.float32))
-        tl.store(gbuf_h + tl.arange(0, L)[:, None] * K + rk[None, :], tl.full([L, K], 1.0, dtype=tl.float16))
+        rk = tl.arange(0, K)
+        tl.store(p_w + tl.arange(0, L), tl.zeros([L], dtype=tl.float32))
+        tl.store(p_pcum + rk, tl.zeros([K], dtype=tl.float32))
+        tl.store(p_gbuf + tl.arange(0, L)[:, None] * K + rk[None, :], tl.full([L, K], 1.0, dtype=tl.float16))
 
 
 def on_gpu(device: torch.device) -> bool:

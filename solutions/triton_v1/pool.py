@@ -9,8 +9,8 @@ those fields (`codes`, `s_k`, `s_v`, `u`, `q` [slots, 32, ...]), the dense windo
 argument checks that need no values.
 
 It launches kernel.py's `_flush_kernel` (the one `run` uses, in its pool mode), one program per (sequence, head); a
-program whose slot is not full (counter != L) or outside [1, num_slots) returns at once. In place: version 2 of the
-kernel keeps vectors and A rows in the output's codes region, which here is the codes still being read, so pool
+program whose slot is not full (counter != L) or outside [1, num_slots) returns at once. In place: the kernel keeps
+vectors and A rows in the output's codes region, which here is the codes still being read, so pool
 mode uses a scratch of its own (16 KB per (slot, head)), allocated on the first call for a pool, like the
 compilation. After that a call does no host synchronisation and no allocation, so it can be captured in a CUDA graph
 and replayed with new pool contents. idx's values are the caller's contract (in range, no slot twice): a slot given
@@ -38,5 +38,5 @@ def flush_inplace(pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
         scratch = _scratch[pool] = torch.empty((pool.num_slots * heads, V * K), dtype=torch.int8, device=pool.device)
     checkpoint = (pool.codes, pool.s_k, pool.s_v, pool.u, pool.q)
     launch(idx.numel() * heads, (*checkpoint, pool.kbuf, pool.ubuf, pool.gbuf, pool.w, pool.pcum, q0, *checkpoint),
-           V, K, L, R, idx_ptr=idx, count_ptr=pool.count, scratch_ptr=scratch, num_slots=pool.num_slots,
+           V, K, L, R, p_idx=idx, p_count=pool.count, p_scratch=scratch, num_slots=pool.num_slots,
            POOL=True, H=heads, REGION=REGION)

@@ -4,7 +4,7 @@
 // percentile cycles of each stage over all programs (B <= 512). Random in-domain inputs (the numbers do not
 // depend on the values: the kernel has no data-dependent branches but the slow paths of IEEE division and sqrt).
 // Standalone CUDA (no torch), for the H200:
-//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/cuda_v1_timeline scripts/cuda_v1_timeline.cu
+//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/cuda_v1_timeline solutions/cuda_v1/tools/timeline.cu
 //   /tmp/cuda_v1_timeline 1 64 512          # batch sizes
 // B = 1 gives a program alone on its SM, B >= 64 two programs per SM (the kernel's steady state).
 #include <algorithm>
@@ -18,7 +18,7 @@
 
 constexpr int MAX_PROGRAMS = 32 * 512, STAMPS = 12;
 // a program's stamps by its index (the dense form's record): one compare and one store a stamp, no index arithmetic
-// (a division there pushed a kernel variant into spills). Program p runs on CTA p % gridDim.x, after p - gridDim.x.
+// (that would cost the kernel registers, and then spills). Program p runs on CTA p % gridDim.x, after p - gridDim.x.
 // Only the dense form is timed, so the deployment form's instantiation carries no stamps (and compiles as in the
 // solution).
 __device__ long long g_stamps[MAX_PROGRAMS][STAMPS];
@@ -26,7 +26,7 @@ __device__ long long g_stamps[MAX_PROGRAMS][STAMPS];
   do {                                                                                                         \
     if (!POOL && threadIdx.x == 0 && rec.ck < MAX_PROGRAMS) g_stamps[rec.ck][n] = clock64();                   \
   } while (0)
-#include "../solutions/cuda_v1/flush.cu"
+#include "../flush.cu"
 
 namespace {
 
