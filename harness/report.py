@@ -7,7 +7,8 @@ traces (a GPU's) count. Two more sections come from the other records under trac
 `deploy_<solution>.json` (`python -m harness deploy`: the deployment form's timings), `drift_<solution>.json`
 (`python -m harness.drift --record`: the worst window) and `stress_<solution>.json` (`python -m harness.stress
 --record`: the search for breaking inputs). `--check` exits 1 when the committed LEADERBOARD.md differs from what the
-traces give (a stale leaderboard). The words for the operator's concepts are its own (harness.ops.Wording): those of
+traces give (a stale leaderboard). `--ci-report FILE --cpu-traces DIR` writes CI's report instead: every
+solution's verdict in a CPU run, its committed GPU standing and the solutions waiting for a GPU run. The words for the operator's concepts are its own (harness.ops.Wording): those of
 the default definition's operator."""
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ from tabulate import tabulate
 from harness import HarnessError, cli
 from harness.definition import default_definition, find_definition
 from harness.ops import Operator, load_op
-from harness.solutions import load_solution, source_sha256
 from harness.records import (RECORDS, DeployRecord, DriftRecord, EvaluationStatus, SolutionRun, StressRecord, Trace,
                              parse, read_json)
-from harness.traces import TRACES, read_traces
+from harness.solutions import discover, load_solution, source_sha256
+from harness.traces import TRACES, load_traces, read_traces
 
 PASSED = EvaluationStatus.PASSED
 LEADERBOARD = Path("LEADERBOARD.md")
@@ -232,6 +233,55 @@ def build(traces: list[Trace], op: Operator, current: dict | None = None, deploy
     return "\n".join(parts), series
 
 
+def ci_report(defn, cpu_root: Path, root: Path = TRACES, solutions_root: str | Path = "solutions") -> str:
+    """What CI says about every solution folder: its verdict on the CPU (from the traces a CPU run of
+    `harness.run` wrote under cpu_root; a CUDA solution is skipped there, a folder that does not load is a
+    COMPILE_ERROR), its committed GPU standing, and whether it waits for a GPU run (no GPU traces, or traces of
+    other sources than it has now)."""
+    gpu = [t for t in load_all(root) if t.definition == defn.name]
+    verdicts, standings, pending = [], [], []
+    for name in discover(defn, solutions_root):
+        try:
+            sol = load_solution(name, defn, solutions_root)
+        except HarnessError as e:
+            verdicts.append([name, "-", f"{EvaluationStatus.COMPILE_ERROR}: {' '.join(str(e).split())[:120]}"])
+            pending.append([name, "does not load"])
+            continue
+        cpu = load_traces(defn.name, name, cpu_root)
+        if sol.language == "cuda" and not cpu:
+            verdict = "skipped: a CUDA solution needs a GPU (its sources compile in the test suite)"
+        elif not cpu:
+            verdict = "not run on the CPU"
+        else:
+            failed = sorted({str(t.evaluation.status) for t in cpu} - {PASSED})
+            verdict = (f"{PASSED} ({len(cpu)}/{len(cpu)})" if not failed else
+                       f"{', '.join(failed)} ({sum(t.evaluation.status != PASSED for t in cpu)}/{len(cpu)})")
+        verdicts.append([name, sol.language, verdict])
+        mine = [t for t in gpu if t.solution == name]
+        state = sources_state(mine, source_sha256(sol, defn)) if mine else "no GPU traces"
+        g = _geomean([t.evaluation.performance.speedup_factor for t in mine
+                      if t.evaluation.status == PASSED and t.evaluation.performance.speedup_factor])
+        standings.append([name, state, len(mine), sum(t.evaluation.status == PASSED for t in mine),
+                          f"{g:.2f}" if g else "-"])
+        if state != "current" and name != "reference":
+            pending.append([name, state])
+    parts = [f"# CI report: {defn.name}", "", "## CPU verdicts", "",
+             "`python -m harness.run --device cpu`: every family at the small batch sizes a CPU run takes (Triton "
+             "through its interpreter).",
+             "", tabulate(verdicts, headers=["solution", "language", "CPU verdict"], tablefmt="github",
+                          disable_numparse=True), "",
+             "## Committed GPU standings", "", "From the committed traces (LEADERBOARD.md has the detail).", "",
+             tabulate(standings, headers=["solution", "measured sources", "workloads", "passed",
+                                          "geomean speedup"], tablefmt="github", disable_numparse=True), "",
+             "## Pending GPU", ""]
+    if pending:
+        parts += ["These need `bash scripts/gpu_session.sh NAME` on a GPU and the traces it writes committed:", "",
+                  tabulate(pending, headers=["solution", "why"], tablefmt="github", disable_numparse=True), ""]
+    else:
+        parts += ["None: every solution's GPU traces were measured on its current sources.", ""]
+    return "\n".join(parts)
+
+
 def plot(series: dict, batch_unit: str, path: Path = PLOT) -> None:
     """The latencies against the batch size, whose unit (the programs of one batch element) the operator names."""
     import matplotlib
@@ -266,6 +316,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 "root for the default traces, else the traces folder itself)")
     p.add_argument("--force", action="store_true",
                    help="replace a leaderboard that has GPU results with one that has none")
+    p.add_argument("--ci-report", metavar="FILE",
+                   help="write (and print) CI's report instead: every solution's CPU verdict from --cpu-traces, its "
+                        "committed GPU standing and whether it waits for a GPU run")
+    p.add_argument("--cpu-traces", metavar="DIR", help="with --ci-report: the traces of a CPU run of harness.run")
 
 
 def main(argv=None) -> int:
@@ -283,6 +337,18 @@ def execute(args: argparse.Namespace) -> int:
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.ci_report:
+        if not args.cpu_traces:
+            print("error: --ci-report needs --cpu-traces DIR", file=sys.stderr)
+            return 2
+        try:
+            text = ci_report(defn, Path(args.cpu_traces), traces_root)
+        except HarnessError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        Path(args.ci_report).write_text(text)
+        print(text)
+        return 0
     if args.check:
         current = board.read_text() if board.exists() else ""
         if current != text:

@@ -1,10 +1,13 @@
 """The leaderboard: built from traces, the committed one current."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from conftest import DEFINITION
 from harness import HarnessError, report
+from harness.definition import find_definition
 from harness.ops import leapquant_kda_flush as op
 from harness.records import DeployRecord, DriftRecord, StressRecord, Trace
 
@@ -175,3 +178,31 @@ def test_other_traces_never_overwrite_the_committed_leaderboard(tmp_path, capsys
     assert "has GPU results" in capsys.readouterr().err and (out / "LEADERBOARD.md").read_text() == committed
     assert report.main(["--traces", str(empty), "--out", str(out), "--force"]) == 0
     assert "No timed traces yet" in (out / "LEADERBOARD.md").read_text()
+
+
+def test_ci_report_gives_cpu_verdicts_standings_and_pending_gpu(tmp_path):
+    """Each solution folder gets a CPU verdict (a CUDA one skipped, a broken one COMPILE_ERROR) and, without GPU
+    traces of its current sources, a line under "Pending GPU"."""
+    defn = find_definition(DEFINITION)
+    solutions = tmp_path / "solutions"
+    for name in ("torch_v1", "cuda_v1"):
+        shutil.copytree(Path("solutions") / name, solutions / name)
+    (solutions / "half_done").mkdir()
+    (solutions / "half_done" / "solution.json").write_text('{"name": "half_done", "definition": "%s"}' % defn.name)
+    cpu = tmp_path / "cpu" / defn.name
+    cpu.mkdir(parents=True)
+    passed = _trace("torch_v1", 1, "random", 0.0, 0.0, hardware="CPU_x86_64").to_json()
+    failed = _trace("torch_v1", 2, "edge", None, None, status="INCORRECT_NUMERICAL", hardware="CPU_x86_64").to_json()
+    for t in (passed, failed):
+        t["definition"] = defn.name
+    (cpu / "torch_v1.jsonl").write_text("".join(json.dumps(Trace.model_validate(t).to_json()) + "\n"
+                                                for t in (passed, failed)))
+    text = report.ci_report(defn, tmp_path / "cpu", tmp_path / "no_gpu_traces", solutions)
+    lines = text.splitlines()
+    cpu_rows = lines[lines.index("## CPU verdicts"):lines.index("## Committed GPU standings")]
+    assert any("| torch_v1 " in r and "INCORRECT_NUMERICAL (1/2)" in r for r in cpu_rows)
+    assert any("| cuda_v1 " in r and "skipped: a CUDA solution needs a GPU" in r for r in cpu_rows)
+    assert any("| half_done " in r and "COMPILE_ERROR: " in r and "field 'author'" in r for r in cpu_rows)
+    pending = lines[lines.index("## Pending GPU"):]
+    assert [r.split("|")[1].strip() for r in pending if r.startswith("| ") and "solution" not in r] == \
+        ["cuda_v1", "half_done", "torch_v1"]
