@@ -353,7 +353,12 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
             if stopped:
                 result.status, result.log = stopped
             else:
-                _evaluate_one(defn, op, worker, w, device, root, run_seed, timed, bandwidth, calibration, result)
+                try:
+                    _evaluate_one(defn, op, worker, w, device, root, run_seed, timed, bandwidth, calibration, result)
+                except torch.OutOfMemoryError as e:     # the harness's own share (inputs, checks) did not fit
+                    torch.cuda.empty_cache()
+                    result.status, result.log = RUNTIME_ERROR, ("the harness ran out of device memory on this "
+                                                                f"workload: {str(e).splitlines()[0]}")[:400]
                 if worker.fatal and not keep_going:
                     stopped = (result.status, f"not run: the worker was stopped on {w.label} ({worker.fatal})"[:400])
                 worker.fatal = None         # with keep_going, the next request starts a fresh worker
@@ -375,7 +380,7 @@ def _calibrate(defn, op, calibration: Calibration, workloads, device, root) -> N
             continue                        # this shape was measured for an earlier workload or solution
         try:
             pristine = load_inputs(defn, w, device, root)
-        except HarnessError:
+        except (HarnessError, torch.OutOfMemoryError):
             continue                        # reported as that workload's error
         calibration.measure(op, pristine, axes, batched, n_prefix, timing.timed_calls(n_programs), pool_programs)
 

@@ -126,3 +126,21 @@ def test_floor_matches_operator_md(defn):
     assert nbytes == pytest.approx(51776 * 64 * 32 + 128 * 4 * 4)
 
 
+
+
+def test_the_harness_running_out_of_memory_is_that_workloads_status(defn, tmp_path, monkeypatch):
+    """Generating or checking a workload's inputs in the harness's own process may not fit on a shared GPU: that
+    workload gets one status line and the next ones are judged."""
+    workloads = select(load_workloads(defn), [1], ["random", "edge"])
+    real = runner.load_inputs
+
+    def load_inputs(defn, w, device, root):
+        if w.family == "random":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore detail")
+        return real(defn, w, device, root)
+    monkeypatch.setattr(runner, "load_inputs", load_inputs)
+    results = runner.evaluate(defn, load_solution("torch_v1", defn), workloads, "cpu", timeout_s=60)
+    by_family = {r.workload.family: r for r in results}
+    assert by_family["random"].status == runner.RUNTIME_ERROR and "\n" not in by_family["random"].log
+    assert by_family["random"].log.startswith("the harness ran out of device memory on this workload: CUDA out")
+    assert by_family["edge"].status == runner.PASSED
