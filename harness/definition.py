@@ -9,7 +9,7 @@ from typing import Any, Callable
 from pydantic import Field, PrivateAttr
 
 from harness import HarnessError, cli
-from harness.records import DefinitionRecord, TensorSpec, parse, read_json
+from harness.records import DefinitionRecord, TensorSpec, decode_json, parse
 
 class DefinitionError(HarnessError):
     pass
@@ -85,7 +85,7 @@ def load_definition(path: str | Path, pins: str | Path | None = None) -> Definit
     data = path.read_bytes()
     if pins is not None:
         _check_pin(path, data, Path(pins))
-    defn = parse_definition(read_json(path, DefinitionError), str(path))
+    defn = parse_definition(decode_json(data, str(path), DefinitionError), str(path))
     defn.path = path
     return defn
 

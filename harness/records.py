@@ -340,11 +340,18 @@ def parse(model: type[M], raw: Any, where: str, error: type[HarnessError] = Harn
         raise error(f"{where}: field '{field or '<root>'}': {message}") from None
 
 
+def decode_json(data: bytes | str, where: str, error: type[HarnessError] = HarnessError) -> Any:
+    """A file's or a line's bytes decoded, or `error` with one line naming `where`."""
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        at = f" ({e.msg}, line {e.lineno} column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise error(f"{where}: not valid JSON{at}") from None
+
+
 def read_json(path: Path, error: type[HarnessError] = HarnessError) -> Any:
     try:
-        return json.loads(path.read_bytes())
+        data = path.read_bytes()
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        line = f" (line {e.lineno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
-        raise error(f"{path}: not valid JSON{line}") from None
+    return decode_json(data, str(path), error)

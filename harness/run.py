@@ -171,8 +171,8 @@ def execute(args: argparse.Namespace) -> int:
     # speedups need the reference's latency on the same workloads and hardware: from its traces, else timed now
     reference_ms = {}
     if timed and trace_root is not None and all(s.name != REFERENCE for s in solutions):
-        reference_ms = {w.uuid: traces.reference_latency(defn.name, w.uuid, env["hardware"], trace_root)
-                        for w in workloads}
+        recorded = traces.reference_latencies(defn.name, env["hardware"], trace_root)
+        reference_ms = {w.uuid: recorded.get(w.uuid) for w in workloads}
         if None in reference_ms.values():
             print("timing the reference too, for the speedups", flush=True)
             solutions.insert(0, load_solution(REFERENCE, defn))

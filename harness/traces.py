@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from harness import HarnessError
-from harness.records import Correctness, Environment, Evaluation, Performance, Trace, TraceWorkload, parse
+from harness.records import (Correctness, Environment, Evaluation, Performance, Trace, TraceWorkload, decode_json,
+                             parse)
 from harness.runner import INCORRECT_NUMERICAL, PASSED, Result
 
 TRACES = Path("traces")
@@ -55,15 +55,8 @@ def trace_path(definition: str, solution: str, root: Path = TRACES) -> Path:
 
 def read_traces(path: Path) -> list[Trace]:
     """The traces of one file; a malformed line is a one-line error naming the file, line and field."""
-    return [parse(Trace, _json_line(line, f"{path}:{n}"), f"{path}:{n}")
+    return [parse(Trace, decode_json(line, f"{path}:{n}"), f"{path}:{n}")
             for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-
-
-def _json_line(line: str, where: str):
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as e:
-        raise HarnessError(f"{where}: not valid JSON ({e.msg})") from None
 
 
 def load_traces(definition: str, solution: str, root: Path = TRACES) -> list[Trace]:
@@ -71,11 +64,10 @@ def load_traces(definition: str, solution: str, root: Path = TRACES) -> list[Tra
     return read_traces(path) if path.exists() else []
 
 
-def reference_latency(definition: str, uuid: str, hardware: str, root: Path = TRACES) -> float | None:
-    for t in load_traces(definition, "reference", root):
-        if t.workload.uuid == uuid and t.hardware == hardware and t.evaluation.status == PASSED:
-            return t.evaluation.performance.latency_ms or None
-    return None
+def reference_latencies(definition: str, hardware: str, root: Path = TRACES) -> dict[str, float]:
+    """{workload uuid: the reference's recorded latency (ms) on that hardware}, for the workloads it passed timed."""
+    return {t.workload.uuid: t.evaluation.performance.latency_ms for t in load_traces(definition, "reference", root)
+            if t.hardware == hardware and t.evaluation.status == PASSED and t.evaluation.performance.latency_ms}
 
 
 def write_traces(records: list[Trace], root: Path = TRACES) -> list[Path]:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from harness import HarnessError
 from harness.definition import Definition
 from harness.ops import load_op
-from harness.records import WorkloadLine, WorkloadSpec, parse
+from harness.records import WorkloadLine, WorkloadSpec, decode_json, parse
 
 DEFAULT_BATCH_SIZES = (1, 2, 16, 32, 64, 128, 256, 512)   # a family may name fewer (op.FAMILY_BATCH_SIZES)
 BASE_SEED = 20261202
@@ -51,10 +51,8 @@ class Workload:
         """Its line in the workload file (harness.records.WorkloadLine); params only when there are any."""
         spec = WorkloadSpec(uuid=self.uuid, axes=self.axes, inputs=self.inputs, family=self.family, seed=self.seed,
                             sha256=self.sha256, params=self.params)
-        line = WorkloadLine(definition=self.definition, workload=spec).model_dump(mode="json")
-        if not self.params:
-            del line["workload"]["params"]
-        return line
+        return WorkloadLine(definition=self.definition, workload=spec).model_dump(
+            mode="json", exclude=None if self.params else {"workload": {"params"}})
 
 
 def workloads_path(defn: Definition, root: str | Path = ".") -> Path:
@@ -153,11 +151,7 @@ def load_workloads(defn: Definition, path: str | Path | None = None) -> list[Wor
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise WorkloadError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        workloads.append(_parse_line(raw, defn, f"{path}:{n}"))
+        workloads.append(_parse_line(decode_json(line, f"{path}:{n}", WorkloadError), defn, f"{path}:{n}"))
     if not workloads:
         raise WorkloadError(f"{path}: no workloads")
     return workloads
