@@ -190,9 +190,7 @@ def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, 
              if timed else "on the CPU: one untimed call a case, judged"), flush=True)
     full = defn.const_axes[op.DUE_EVERY]   # a sequence is due every `full` decode steps
     largest = max(args.batch_sizes)
-    _, n_prefix = program_layout(defn)
-    first_output = next(iter(defn.outputs.values()))
-    programs_per_sequence = math.prod(defn.shape(first_output, defn.resolve_axes(workloads[largest].axes))[1:n_prefix])
+    batched, n_prefix = program_layout(defn)
     cases = [("all due", b, lambda k, b=b: torch.full((b,), full)) for b in sorted(args.batch_sizes)]
     cases += [(f"1 in {full} due", largest, lambda k: full - (torch.arange(largest) + k) % full),
               ("none due", largest, lambda k: 1 + (torch.arange(largest) + k) % (full - 1))]
@@ -209,7 +207,7 @@ def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, 
     rows, passed = [], True
     for case, b, counts in cases:
         x = load_inputs(defn, workloads[b], device)
-        due_programs = int((counts(0) == full).sum()) * programs_per_sequence
+        due_programs = int((counts(0) == full).sum()) * math.prod(x[batched[0]].shape[1:n_prefix])
         status, log, median_ms, marginal_ms = run_case(worker, defn, op, x, counts,
                                                        deploy.REPLAYS if timed else 1,
                                                        in_graph=timed and not due_programs)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from harness import HarnessError, cli
 from harness.definition import Definition, find_definition
-from harness.solutions import LANGUAGES, load_solution
+from harness.records import LANGUAGES
+from harness.solutions import load_solution
 
 OPS = Path(__file__).resolve().parent / "ops"
 ENTRY_FILES = {"python": "flush.py", "triton": "kernel.py", "cuda": "main.py"}

@@ -8,8 +8,8 @@ traces (a GPU's) count. Two more sections come from the other records under trac
 (`python -m harness.drift --record`: the worst window) and `stress_<solution>.json` (`python -m harness.stress
 --record`: the search for breaking inputs). `--check` exits 1 when the committed LEADERBOARD.md differs from what the
 traces give (a stale leaderboard). `--ci-report FILE --cpu-traces DIR` writes CI's report instead: every
-solution's verdict in a CPU run, its committed GPU standing and the solutions waiting for a GPU run. The words for the operator's concepts are its own (harness.ops.Wording): those of
-the default definition's operator."""
+solution's verdict in a CPU run, its committed GPU standing and the solutions waiting for a GPU run. The words for
+the operator's concepts are its own (harness.ops.Wording): those of the default definition's operator."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +56,19 @@ def leaderboard(op: Operator, root: Path = TRACES) -> tuple[str, dict]:
 
 def _batch(t: Trace) -> int:
     return t.workload.axes["batch_size"]
+
+
+def _speedups(traces: list[Trace]) -> list[float]:
+    """The speedup of every passed trace (0 where it was not timed against the reference)."""
+    return [t.evaluation.performance.speedup_factor for t in traces if t.evaluation.status == PASSED]
+
+
+def _status_over(traces: list[Trace]) -> str:
+    """PASSED, or the statuses that are not and how many of the traces have them."""
+    failed = sorted({str(t.evaluation.status) for t in traces} - {PASSED})
+    if not failed:
+        return PASSED
+    return ", ".join(failed) + f" ({sum(t.evaluation.status != PASSED for t in traces)}/{len(traces)})"
 
 
 def _geomean(xs):
@@ -191,7 +204,7 @@ def build(traces: list[Trace], op: Operator, current: dict | None = None, deploy
         solutions = sorted({t.solution for t in ts}, key=lambda s: (s != "reference", s))
         for sol in solutions:
             mine = [t for t in ts if t.solution == sol]
-            passed_speedups = [t.evaluation.performance.speedup_factor for t in mine if t.evaluation.status == PASSED]
+            passed_speedups = _speedups(mine)
             fast = [sum(1 for sp in passed_speedups if sp > p) / len(mine) for p in FAST_P]
             g = _geomean([sp for sp in passed_speedups if sp])
             summary.append([sol, sources_state(mine, current.get((definition, sol))), isolation_state(mine), len(mine),
@@ -199,8 +212,7 @@ def build(traces: list[Trace], op: Operator, current: dict | None = None, deploy
             for b in sorted({_batch(t) for t in mine}):
                 at = [t for t in mine if _batch(t) == b]
                 passed = [t for t in at if t.evaluation.status == PASSED]
-                failed = sorted({str(t.evaluation.status) for t in at} - {PASSED})
-                status = PASSED if not failed else ", ".join(failed) + f" ({len(at) - len(passed)}/{len(at)})"
+                status = _status_over(at)
                 perf = [t.evaluation.performance for t in passed]
                 lat = statistics.median(p.latency_ms for p in perf) if perf else None
                 floor = floors.get((at[0].hardware, b))
@@ -253,15 +265,14 @@ def ci_report(defn, cpu_root: Path, root: Path = TRACES, solutions_root: str | P
         elif not cpu:
             verdict = "not run on the CPU"
         else:
-            failed = sorted({str(t.evaluation.status) for t in cpu} - {PASSED})
-            verdict = (f"{PASSED} ({len(cpu)}/{len(cpu)})" if not failed else
-                       f"{', '.join(failed)} ({sum(t.evaluation.status != PASSED for t in cpu)}/{len(cpu)})")
+            verdict = _status_over(cpu)
+            verdict += f" ({len(cpu)}/{len(cpu)})" if verdict == PASSED else ""
         verdicts.append([name, sol.language, verdict])
         mine = [t for t in gpu if t.solution == name]
         state = sources_state(mine, source_sha256(sol, defn)) if mine else "no GPU traces"
-        g = _geomean([t.evaluation.performance.speedup_factor for t in mine
-                      if t.evaluation.status == PASSED and t.evaluation.performance.speedup_factor])
-        standings.append([name, state, len(mine), sum(t.evaluation.status == PASSED for t in mine),
+        speedups = _speedups(mine)
+        g = _geomean([sp for sp in speedups if sp])
+        standings.append([name, state, len(mine), len(speedups),
                           f"{g:.2f}" if g else "-"])
         if state != "current" and name != "reference":
             pending.append([name, state])

@@ -13,7 +13,7 @@ import torch
 
 from harness import HarnessError, sandbox
 from harness.definition import Definition
-from harness.records import ENTRY_POINT, LANGUAGES, SolutionRecord, parse, read_json
+from harness.records import ENTRY_POINT, SolutionRecord, parse, read_json
 
 REFERENCE = "reference"
 NULL = "<null>"             # the harness's own do-nothing solution: the timed loop's overhead

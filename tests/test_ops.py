@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import DEFINITION
 from harness import HarnessError
+from harness.definition import find_definition
 from harness.ops import REQUIRED, load_op
 
 CORE = sorted(Path("harness").glob("*.py"))
@@ -21,7 +23,15 @@ def op():
 def test_the_operator_provides_every_required_name(op):
     assert {"FAMILIES", "judge", "make_inputs", "Pool", "WORDING", "DUE_EVERY", "POOL_CALL_ARGS"} <= set(REQUIRED)
     assert all(hasattr(op, name) for name in REQUIRED)
-    assert set(op.POOL_CALL_ARGS) <= set(op.__all__) | {"q0"}
+
+
+def test_the_deployment_names_are_the_definitions(op):
+    """The pool keeps the checkpoint and window inputs; the call's own arguments are the other inputs; a sequence
+    is due after a const axis's count of steps."""
+    defn = find_definition(DEFINITION)
+    pooled = {*op.CHECKPOINT, *op.WINDOW}
+    assert pooled <= set(defn.inputs) and set(op.POOL_CALL_ARGS) == set(defn.inputs) - pooled
+    assert set(op.WINDOW_RESET) <= set(op.WINDOW) and op.DUE_EVERY in defn.const_axes
 
 
 def test_a_package_missing_a_name_or_a_bad_op_type_is_one_line(op, monkeypatch):

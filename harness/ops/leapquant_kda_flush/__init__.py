@@ -13,17 +13,15 @@ torch's CUDA division by a Python scalar multiplies by its reciprocal) with redu
 the one transcendental, exp, is evaluated from those operations alone (`draws.exact_exp`).
 """
 from harness.ops import Wording
-from harness.ops.leapquant_kda_flush.criterion import EXACT_CAP, EXACT_HEAD, RATIO_LIMIT, head_errors, judge
-from harness.ops.leapquant_kda_flush.draws import Draws
+from harness.ops.leapquant_kda_flush.criterion import EXACT_CAP, EXACT_HEAD, RATIO_LIMIT, judge
 from harness.ops.leapquant_kda_flush.drift import DRIFT_LIMIT, drift
 from harness.ops.leapquant_kda_flush.exact import decay_history, decode_checkpoint, exact_state
 from harness.ops.leapquant_kda_flush.families import (CALL_GRAMMAR, EDGE_KINDS, FAMILIES, FAMILY_BATCH_SIZES,
-                                                      PROGRAM_GRAMMAR, STRESS_FAMILY, edge_kinds, make_inputs,
-                                                      stress_choices)
+                                                      PROGRAM_GRAMMAR, STRESS_FAMILY, edge_kinds, make_inputs)
 from harness.ops.leapquant_kda_flush.layout import (CHECKPOINT, DTYPES, DUE_EVERY, EPS, POOL_CALL_ARGS, QMAX, WINDOW,
                                                     WINDOW_RESET)
-from harness.ops.leapquant_kda_flush.pool import (CHECKPOINT_BYTES, EMPTY_SCALE, POOL_HEADER, POOL_OFFSETS,
-                                                  POOL_REGION, POOL_REGIONS_PER_SLOT, Pool, check_idx)
+from harness.ops.leapquant_kda_flush.pool import (CHECKPOINT_BYTES, POOL_HEADER, POOL_OFFSETS, POOL_REGION,
+                                                  POOL_REGIONS_PER_SLOT, Pool, check_idx)
 from harness.ops.leapquant_kda_flush.symmetries import apply_variant, draw_variants
 
 WORDING = Wording(
@@ -45,9 +43,8 @@ WORDING = Wording(
                      "empty kernel timed the same way, what this timer reads for no work.",
 )
 
-__all__ = ["CALL_GRAMMAR", "CHECKPOINT", "CHECKPOINT_BYTES", "DRIFT_LIMIT", "DTYPES", "DUE_EVERY", "Draws",
-           "EDGE_KINDS", "EMPTY_SCALE", "EPS", "EXACT_CAP", "EXACT_HEAD", "FAMILIES", "FAMILY_BATCH_SIZES",
-           "POOL_CALL_ARGS", "POOL_HEADER", "POOL_OFFSETS", "POOL_REGION", "POOL_REGIONS_PER_SLOT", "PROGRAM_GRAMMAR",
-           "Pool", "QMAX", "RATIO_LIMIT", "STRESS_FAMILY", "WINDOW", "WINDOW_RESET", "WORDING", "apply_variant",
-           "check_idx", "decay_history", "decode_checkpoint", "draw_variants", "drift", "edge_kinds", "exact_state",
-           "head_errors", "judge", "make_inputs", "stress_choices"]
+__all__ = ["CALL_GRAMMAR", "CHECKPOINT", "CHECKPOINT_BYTES", "DRIFT_LIMIT", "DTYPES", "DUE_EVERY", "EDGE_KINDS",
+           "EPS", "EXACT_CAP", "EXACT_HEAD", "FAMILIES", "FAMILY_BATCH_SIZES", "POOL_CALL_ARGS", "POOL_HEADER",
+           "POOL_OFFSETS", "POOL_REGION", "POOL_REGIONS_PER_SLOT", "PROGRAM_GRAMMAR", "Pool", "QMAX", "RATIO_LIMIT",
+           "STRESS_FAMILY", "WINDOW", "WINDOW_RESET", "WORDING", "apply_variant", "check_idx", "decay_history",
+           "decode_checkpoint", "draw_variants", "drift", "edge_kinds", "exact_state", "judge", "make_inputs"]
