@@ -177,6 +177,46 @@ def best_floors(traces: list[Trace]) -> dict:
     return floors
 
 
+def _hardware_tables(hardware: str, ts: list[Trace], definition: str, current: dict, op: Operator,
+                     series: dict) -> list[str]:
+    """The summary and per-batch tables of one definition's traces on one hardware; the plot's series of them
+    added to `series`."""
+    floors = best_floors(ts)
+    summary, rows = [], []
+    solutions = sorted({t.solution for t in ts}, key=lambda s: (s != "reference", s))
+    for sol in solutions:
+        mine = [t for t in ts if t.solution == sol]
+        passed_speedups = _speedups(mine)
+        fast = [sum(1 for sp in passed_speedups if sp > p) / len(mine) for p in FAST_P]
+        g = _geomean([sp for sp in passed_speedups if sp])
+        summary.append([sol, sources_state(mine, current.get((definition, sol))), isolation_state(mine), len(mine),
+                        len(passed_speedups), f"{g:.2f}" if g else "-"] + [f"{f:.2f}" for f in fast])
+        for b in sorted({_batch(t) for t in mine}):
+            at = [t for t in mine if _batch(t) == b]
+            passed = [t for t in at if t.evaluation.status == PASSED]
+            perf = [t.evaluation.performance for t in passed]
+            lat = statistics.median(p.latency_ms for p in perf) if perf else None
+            floor = floors.get((hardware, b))
+            ratios = [t.evaluation.correctness.extra.get(op.WORDING.score_key) for t in passed]
+            ratios = [r for r in ratios if r is not None]
+            sp = _geomean([p.speedup_factor for p in perf if p.speedup_factor])
+            rows.append([sol, b, _status_over(at), f"{lat * 1e3:.1f}" if lat else "-",
+                         f"{lat / floor:.2f}" if lat and floor else "-", f"{sp:.1f}" if sp else "-",
+                         f"{max(ratios):.4f}" if ratios else "-"])
+            if lat:
+                series.setdefault(sol, []).append((b, lat))
+                series.setdefault("memory floor", [])
+                if floor and b not in dict(series["memory floor"]):
+                    series["memory floor"].append((b, floor))
+    return [f"### {hardware}", "", "#### Summary", "",
+            tabulate(summary, headers=["solution", "measured sources", "isolation", "workloads", "passed",
+                                       "geomean speedup"] + [f"fast_{p}" for p in FAST_P],
+                     tablefmt="github", disable_numparse=True), "",
+            "#### Per batch size", "",
+            tabulate(rows, headers=["solution", "B", "status", "latency us", "x floor", "speedup",
+                                    op.WORDING.score_label], tablefmt="github", disable_numparse=True), ""]
+
+
 def build(traces: list[Trace], op: Operator, current: dict | None = None, deploy: list[DeployRecord] = (),
           drift: list[DriftRecord] = (), stress: list[StressRecord] = ()) -> tuple[str, dict]:
     """The leaderboard's markdown and the plot's series {solution: [(batch, median latency ms)]} (+ 'floor'), from
@@ -197,44 +237,18 @@ def build(traces: list[Trace], op: Operator, current: dict | None = None, deploy
                      "(`harness/sandbox.py`).", ""]
 
     for definition, ts in sorted(by_def.items()):
-        parts += [f"## {definition}", "", f"![latency against batch size]({PLOT.as_posix()})", ""]
-        floors = best_floors(ts)
-        summary, rows = [], []
+        by_hardware = defaultdict(list)
+        for t in ts:
+            by_hardware[t.hardware].append(t)
+        # the plot shows the hardware with the most solutions on it; every hardware gets tables of its own, since a
+        # latency, a floor or a speedup means something only beside others measured on the same card
+        plotted = max(by_hardware, key=lambda h: (len({t.solution for t in by_hardware[h]}), len(by_hardware[h]), h))
+        parts += [f"## {definition}", "", f"![latency against batch size on {plotted}]({PLOT.as_posix()})", ""]
+        for hardware in sorted(by_hardware, key=lambda h: (h != plotted, h)):
+            parts += _hardware_tables(hardware, by_hardware[hardware], definition, current, op,
+                                      series if hardware == plotted else {})
         envs = {(t.hardware, tuple(sorted(t.evaluation.environment.libs.items()))) for t in ts}
-        solutions = sorted({t.solution for t in ts}, key=lambda s: (s != "reference", s))
-        for sol in solutions:
-            mine = [t for t in ts if t.solution == sol]
-            passed_speedups = _speedups(mine)
-            fast = [sum(1 for sp in passed_speedups if sp > p) / len(mine) for p in FAST_P]
-            g = _geomean([sp for sp in passed_speedups if sp])
-            summary.append([sol, sources_state(mine, current.get((definition, sol))), isolation_state(mine), len(mine),
-                            len(passed_speedups), f"{g:.2f}" if g else "-"] + [f"{f:.2f}" for f in fast])
-            for b in sorted({_batch(t) for t in mine}):
-                at = [t for t in mine if _batch(t) == b]
-                passed = [t for t in at if t.evaluation.status == PASSED]
-                status = _status_over(at)
-                perf = [t.evaluation.performance for t in passed]
-                lat = statistics.median(p.latency_ms for p in perf) if perf else None
-                floor = floors.get((at[0].hardware, b))
-                ratios = [t.evaluation.correctness.extra.get(op.WORDING.score_key) for t in passed]
-                ratios = [r for r in ratios if r is not None]
-                sp = _geomean([p.speedup_factor for p in perf if p.speedup_factor])
-                rows.append([sol, b, status, f"{lat * 1e3:.1f}" if lat else "-",
-                             f"{lat / floor:.2f}" if lat and floor else "-", f"{sp:.1f}" if sp else "-",
-                             f"{max(ratios):.4f}" if ratios else "-"])
-                if lat:
-                    series.setdefault(sol, []).append((b, lat))
-                    series.setdefault("memory floor", [])
-                    if floor and b not in dict(series["memory floor"]):
-                        series["memory floor"].append((b, floor))
-        parts += ["### Summary", "",
-                  tabulate(summary, headers=["solution", "measured sources", "isolation", "workloads", "passed",
-                                             "geomean speedup"]
-                           + [f"fast_{p}" for p in FAST_P], tablefmt="github", disable_numparse=True), "",
-                  "### Per batch size", "",
-                  tabulate(rows, headers=["solution", "B", "status", "latency us", "x floor", "speedup",
-                                          op.WORDING.score_label], tablefmt="github", disable_numparse=True), "",
-                  "### Environment", ""]
+        parts += ["### Environment", ""]
         for line in sorted({f"- {hardware}: " + ", ".join(f"{k} {v}" for k, v in libs) for hardware, libs in envs}):
             parts.append(line)
         parts.append("")

@@ -356,9 +356,11 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
                 try:
                     _evaluate_one(defn, op, worker, w, device, root, run_seed, timed, bandwidth, calibration, result)
                 except torch.OutOfMemoryError as e:     # the harness's own share (inputs, checks) did not fit
-                    torch.cuda.empty_cache()
                     result.status, result.log = RUNTIME_ERROR, ("the harness ran out of device memory on this "
                                                                 f"workload: {str(e).splitlines()[0]}")[:400]
+                finally:
+                    if device == "cuda":        # the workload's inputs and checks, cached, returned to the device
+                        torch.cuda.empty_cache()
                 if worker.fatal and not keep_going:
                     stopped = (result.status, f"not run: the worker was stopped on {w.label} ({worker.fatal})"[:400])
                 worker.fatal = None         # with keep_going, the next request starts a fresh worker

@@ -95,7 +95,13 @@ def serve(sock: socket.socket) -> None:
                 modified = next((k for k, v in pristine.items() if not torch.equal(v, inputs[k])), None)
                 wire.send(sock, {"status": "ok", "outputs": specs, "modified": modified}, out)
             elif request == "time_prepare":
+                # the last workload's graphs and their private memory pools returned to the device before this
+                # workload's are captured: cached, they held tens of GB at large batches, enough to run an 80 GB
+                # card (shared with the harness's own process) out of memory
                 loop = None
+                if device == "cuda":
+                    gc.collect()
+                    torch.cuda.empty_cache()
                 warm = {k: v.to(device) for k, v in tensors.items()}
                 # the loop poisons each call's outputs before it, outside the timed region
                 loop = timing.TimedLoop(functools.partial(fn, fill=False), warm, msg["axes"], msg["batched"],

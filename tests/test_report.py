@@ -61,6 +61,23 @@ def test_every_solution_against_the_fastest_measured_copy_rate():
     assert "| 4.00 " in row                                            # 0.1 ms over 0.025 ms, not over 0.05 ms
 
 
+def test_each_hardware_has_tables_of_its_own():
+    """A latency, floor or speedup is compared only with others measured on the same card: two hardwares give two
+    sections, neither mixing the other's figures in, and the plot shows the one with more solutions."""
+    traces = [_trace("reference", 64, "a", 3.0, 3.0), _trace("fast", 64, "a", 0.1, 3.0),
+              _trace("reference", 64, "a", 5.0, 5.0, hardware="NVIDIA_H100"),
+              _trace("reference", 64, "b", 7.0, 7.0, hardware="NVIDIA_H100")]
+    text, series = report.build(traces, op, current={})
+    lines = text.splitlines()
+    h200, h100 = lines.index("### NVIDIA_H200"), lines.index("### NVIDIA_H100")
+    assert h200 < h100 and "on NVIDIA_H200" in text
+    rows_h200 = [line for line in lines[h200:h100] if line.startswith("| reference ") and "| 64 " in line]
+    rows_h100 = [line for line in lines[h100:] if line.startswith("| reference ") and "| 64 " in line]
+    assert len(rows_h200) == len(rows_h100) == 1
+    assert "| 3000.0 " in rows_h200[0] and "| 6000.0 " in rows_h100[0]        # medians of 3 ms and of 5 and 7 ms
+    assert series["reference"] == [(64, 3.0)]
+
+
 def test_sources_state():
     traces = [_trace("x", 1, "a", 0.5, 1.0, sha="old"), _trace("x", 2, "a", 0.5, 1.0, sha="new")]
     assert report.sources_state(traces, "new") == "older: re-run"

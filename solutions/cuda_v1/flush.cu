@@ -20,9 +20,10 @@
 //     B is fp32 and goes in as a three-way bf16 split (hi + mid + lo = 24 bits, which the hot-row heads need).
 //  2. Subspace iteration from the registers: S^T q0 in fp32 on CUDA cores (column partials reduced across the 8
 //     lanes of a column by a shuffle reduce-scatter, then across the 4 row-warps in shared memory); CGS2 in warp 0
-//     (as accurate as the reference's MGS2; norm clamp 1e-30); S qk on tf32 tensor cores (3xTF32, the accumulator
-//     tiles are A fragments as they stand); CGS2; S^T qv on tf32 tensor cores (3xTF32, the tiles' 8 x 8 blocks
-//     transposed by movmatrix on their 16-bit halves). u_new, q_new rounded to fp16.
+//     (as accurate as the reference's MGS2; norm clamp 1e-30; a column the second pass finds dependent becomes
+//     zero); S qk on tf32 tensor cores (3xTF32, the accumulator tiles are A fragments as they stand); CGS2; S^T qv on
+//     tf32 tensor cores (3xTF32, the tiles' 8 x 8 blocks transposed by movmatrix on their 16-bit halves). u_new,
+//     q_new rounded to fp16.
 //  3. Residual E = S - q_new^T u_new by one fp16 m16n8k8 mma per tile (exact fp16 products onto the fp32 state),
 //     s_k = sqrt(mean_v |E|), s_v = max_k |E| / s_k (clamped 1e-12), codes = round-half-even(E / (s_k s_v) * 127)
 //     by the 1.5 * 2^23 magic add in one FFMA (|value| <= 127 by construction, see NOTES.md), packed 16 bytes per
@@ -44,6 +45,7 @@ namespace {
 
 constexpr int V = 128, K = 128, L = 16, R = 4;
 constexpr int NTHREADS = 256;
+constexpr float DEPENDENT_NORM2 = 0x1p-24f;     // CGS2: (2^-12)^2, the squared share of a column a dependent one keeps
 constexpr unsigned FULL = 0xffffffffu;
 // Row stride (floats) of the vector-major partials [warp][j][row] that warp 0 sums before an orthonormalisation:
 // 4 mod 32 banks apart, so that its lanes' float4 reads of 4 consecutive rows are conflict-free and the producers'
@@ -360,7 +362,12 @@ __device__ __forceinline__ void cgs2_column(float (&a)[4][4], float (&r)[R]) {
     warp_sums(direct);
     nn = direct[0];
   }
-  const float inv = fminf(rsqrtf(nn), 1e30f);         // 1 / max(||c_J||, 1e-30), the reference's clamp
+  // A second pass that leaves less than 2^-12 of the column (in norm) found it to be rounding inside the span of
+  // c_0 .. c_{J-1} (a rank-deficient state): the column becomes zero, a zero token, rather than normalised rounding,
+  // whose direction can lie along an earlier column (the projections' own rounding does) and whose squared norm can
+  // flush to zero (a 1e30 "unit" column that overflows q_new's fp16). What is dropped is below the column's rounding.
+  const bool dependent = J > 0 && !(nn > DEPENDENT_NORM2 * s[0]);
+  const float inv = dependent ? 0.0f : fminf(rsqrtf(nn), 1e30f);   // 1 / max(||c_J||, 1e-30), the reference's clamp
 #pragma unroll
   for (int i = 0; i < 4; ++i) a[i][J] *= inv;
   if (NEXT) {

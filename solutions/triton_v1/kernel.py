@@ -51,6 +51,7 @@ MAXNREG = 128    # register cap (ptxas): 4 programs per SM instead of 2, at the 
 VC = 32          # rows per residual chunk
 PC = 32          # rows (columns) of V (K) per chunk of the subspace products
 PF = 1           # prefetch the codes and ubuf at the start: 0 no, 1 to L2, 2 to L1
+DEPENDENT = tl.constexpr(2.0 ** -12)    # Gram-Schmidt: a second pass leaving less of a column than this is rounding
 
 
 @triton.jit
@@ -115,38 +116,33 @@ def _normalize(v):
 
 
 @triton.jit
+def _normalize_independent(v2, v1):
+    """v2, the second projection pass's remainder of v1, normalised; zero where that pass removed all but 2^-12 of
+    v1 (in the largest entry): v1 was then rounding inside the span of the earlier columns (a rank-deficient state),
+    and so is the direction of v2, which can lie along an earlier column where no further projection removes it (the
+    projections' own rounding is along that column). The dropped content is below fp32 rounding of the column; a
+    zero column gives a zero token (q and u rows zero), which decodes to nothing, as the reference's noise column
+    does to within its rounding."""
+    m_independent = tl.max(tl.abs(v2), axis=0) > tl.max(tl.abs(v1), axis=0) * DEPENDENT
+    return tl.where(m_independent, _normalize(v2), 0.0)
+
+
+@triton.jit
 def _proj(v, c):
     return v - c * tl.sum(c * v, axis=0)
 
 
 @triton.jit
 def _mgs2(a0, a1, a2, a3):
-    """Modified Gram-Schmidt with the projections applied twice, as the reference's _mgs, then once more after
-    normalising: a column inside the span of the earlier ones to working precision (a rank-deficient state) leaves
-    only the second pass's rounding, which the normalisation blows up to a unit vector up to 0.98 along c0; one
-    projection of the unit vector removes that."""
+    """Modified Gram-Schmidt with the projections applied twice, as the reference's _mgs; a column that the second
+    pass finds dependent on the earlier ones becomes zero (_normalize_independent)."""
     c0 = _normalize(a0)
-    v = a1
-    v = _proj(v, c0)
-    v = _proj(v, c0)
-    v = _normalize(v)
-    c1 = _normalize(_proj(v, c0))
-    v = a2
-    v = _proj(v, c0)
-    v = _proj(v, c1)
-    v = _proj(v, c0)
-    v = _proj(v, c1)
-    v = _normalize(v)
-    c2 = _normalize(_proj(_proj(v, c0), c1))
-    v = a3
-    v = _proj(v, c0)
-    v = _proj(v, c1)
-    v = _proj(v, c2)
-    v = _proj(v, c0)
-    v = _proj(v, c1)
-    v = _proj(v, c2)
-    v = _normalize(v)
-    c3 = _normalize(_proj(_proj(_proj(v, c0), c1), c2))
+    v = _proj(a1, c0)
+    c1 = _normalize_independent(_proj(v, c0), v)
+    v = _proj(_proj(a2, c0), c1)
+    c2 = _normalize_independent(_proj(_proj(v, c0), c1), v)
+    v = _proj(_proj(_proj(a3, c0), c1), c2)
+    c3 = _normalize_independent(_proj(_proj(_proj(v, c0), c1), c2), v)
     return c0, c1, c2, c3
 
 

@@ -50,7 +50,9 @@ def judge(inputs: dict, outputs, reference_outputs) -> Verdict:
     err, max_abs = abs_error.mean((-2, -1)), float(abs_error.max())
     del abs_error
     err_ref = head_errors(reference_outputs, state)
-    judged = (err_ref >= EXACT_HEAD * scale) & (err_ref > 0)
+    # a head the reference itself gets non-finite (its fp32 Gram-Schmidt fails on some exactly rank-deficient
+    # states) has no reference error to be measured against: it is held to the cap, not passed by any finite output
+    judged = torch.isfinite(err_ref) & (err_ref >= EXACT_HEAD * scale) & (err_ref > 0)
     ratio = torch.where(judged, err / torch.where(judged, err_ref, 1.0), 0.0)
     # how much of the cap each exactly-captured head uses (0 for a zero head decoded exactly)
     cap_use = torch.where(judged, 0.0, err / (EXACT_CAP * scale).clamp_min(1e-300))
