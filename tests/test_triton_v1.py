@@ -57,8 +57,9 @@ def test_stress_heads_the_gpu_search_found(defn, program, seed):
 
 
 TOOL = Path(__file__).resolve().parents[1] / "solutions" / "triton_v1" / "tools" / "compile_sm90.py"
-# what NOTES.md records for the current version (offline, sm_90a): a change that spills more shows up here
-SPILL_BYTES = {"run": 160, "pool": 640}
+# NOTES.md records 112-144 B of stack for the current version (triton 3.8, both modes); the variants it rejected for
+# their spills reached 544 B to 3 KB. Above this, a change (or a Triton release) has pushed the kernel off that cliff.
+STACK_BYTES_MAX = 512
 
 
 def test_gpu_path_compiles_for_sm90a_within_its_register_budget():
@@ -74,5 +75,5 @@ def test_gpu_path_compiles_for_sm90a_within_its_register_budget():
     assert set(reports) == {"run", "pool"}, res.stdout
     for mode, r in reports.items():
         assert r["registers"] <= 128, r                      # 4 programs of 4 warps per SM
-        assert r["spill_stores"] + r["spill_loads"] <= 2 * SPILL_BYTES[mode], r
+        assert r["stack_bytes"] <= STACK_BYTES_MAX, r
         assert r["sass_instructions"] > 1000, r
