@@ -357,10 +357,24 @@ __device__ __forceinline__ void cgs2_column(float (&a)[4][4], float (&r)[R]) {
     subtract(a, J, p, s[1 + p]);
     nn = fmaf(-s[1 + p], s[1 + p], nn);
   }
-  if (J > 0 && !(nn > 1e-4f * s[0])) {              // warp-uniform: every lane holds the same sums
-    float direct[1] = {lane_dot(a, J, a, J)};
-    warp_sums(direct);
-    nn = direct[0];
+  // The second pass left under 1% of the column (in norm): it is nearly inside the span of c_0 .. c_{J-1}, and the
+  // second pass's own rounding (relative to the first-pass vector) can still be 2^-24 / 1% of what remains, along
+  // those columns: a third pass restores orthogonality (without it, fp16 rounding of a hot-row head's token kept an
+  // overlap of ~1e-3 with the first, whose u row then carried ~1e-3 of the whole state into the residual). Its norm
+  // is measured directly, since ||v||^2 - sum_p d_p^2 cancels here. Warp-uniform: every lane holds the same sums.
+  if (J > 0 && !(nn > 1e-4f * s[0])) {
+    float t[1 + J];
+    t[0] = lane_dot(a, J, a, J);
+#pragma unroll
+    for (int p = 0; p < J; ++p) t[1 + p] = lane_dot(a, p, a, J);
+    warp_sums(t);
+    nn = t[0];
+#pragma unroll
+    for (int p = 0; p < J; ++p) {
+      subtract(a, J, p, t[1 + p]);
+      nn = fmaf(-t[1 + p], t[1 + p], nn);
+      if (NEXT) s[1 + J] = fmaf(-t[1 + p], s[2 + J + p], s[1 + J]);   // keeps e = c_J . a_{J+1} (times n_J)
+    }
   }
   // A second pass that leaves less than 2^-12 of the column (in norm) found it to be rounding inside the span of
   // c_0 .. c_{J-1} (a rank-deficient state): the column becomes zero, a zero token, rather than normalised rounding,

@@ -11,16 +11,30 @@ QMAX = 127.0
 EPS = 1e-12
 
 
+DEPENDENT = 2.0 ** -12      # a second projection pass leaving less of a column than this (max-abs) is rounding
+
+
+def _unit(v: torch.Tensor) -> torch.Tensor:
+    """v / ||v|| over dim -2, scaled by its largest entry first: a remainder of ~1e-25 has squares that flush to
+    zero in fp32, and v / 1e-30 would be an overflowing "unit" column; a zero column stays zero."""
+    t = v / v.abs().amax(-2, keepdim=True).clamp_min(1e-30)
+    return t / torch.linalg.vector_norm(t, dim=-2, keepdim=True).clamp_min(1e-30)
+
+
 def _orthonormalize(m: torch.Tensor) -> torch.Tensor:
-    """Columns of m [..., n, R] made orthonormal in order, each projected twice against the previous ones."""
-    cols = []
-    for j in range(m.shape[-1]):
-        v = m[..., j:j + 1]
-        if cols:
-            prev = torch.cat(cols, -1)
-            for _ in range(2):
-                v = v - prev @ (prev.transpose(-1, -2) @ v)
-        cols.append(v / torch.linalg.vector_norm(v, dim=-2, keepdim=True).clamp_min(1e-30))
+    """Columns of m [..., n, R] made orthonormal in order, each projected three times against the previous ones (the
+    reference's MGS2 projects twice: where the second pass leaves little of a nearly dependent column, its own
+    rounding is a large share of the rest and lies along the earlier columns, which the third pass removes). A
+    column that the second pass finds dependent (DEPENDENT) becomes zero, a token that decodes to nothing, rather
+    than normalised rounding."""
+    cols = [_unit(m[..., :1])]
+    for j in range(1, m.shape[-1]):
+        prev = torch.cat(cols, -1)
+        passes = [m[..., j:j + 1]]
+        for _ in range(3):
+            passes.append(passes[-1] - prev @ (prev.transpose(-1, -2) @ passes[-1]))
+        dependent = passes[2].abs().amax(-2, keepdim=True) <= passes[1].abs().amax(-2, keepdim=True) * DEPENDENT
+        cols.append(torch.where(dependent, 0.0, _unit(passes[3])))
     return torch.cat(cols, -1)
 
 

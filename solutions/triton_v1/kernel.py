@@ -17,7 +17,7 @@ The three subspace products use the factored form, chunked over 32 rows (columns
 The codes and A products run on tensor cores (codes are exact in bf16; the four vectors are a three-way split in the
 columns 0-3 / 4-7 / 8-11 of a [*, 16] tile, summed when the result vectors are extracted); the B parts are fp32 FMAs.
 The vectors the chunked loops read (cs * qk, qv) go through the head's own codes_new region as fp32 scratch (the last
-pass overwrites it), behind a CTA barrier.  MGS2 runs on four 1-D vectors.  The residual is rebuilt twice in row
+pass overwrites it), behind a CTA barrier.  Gram-Schmidt (three passes) runs on four 1-D vectors.  The residual is rebuilt twice in row
 chunks of VC rows (once for s_k, once for s_v and the codes).  u_new is stored before the residual passes and read
 back (after a CTA barrier) for the rows 24-31 of B. A is built once as bf16 rows in the scratch (bytes [8192, 16384)
 of codes_new; q_new's hi / lo go into its columns 24-31 before the residual) and every chunk loads its rows from there;
@@ -116,15 +116,14 @@ def _normalize(v):
 
 
 @triton.jit
-def _normalize_independent(v2, v1):
-    """v2, the second projection pass's remainder of v1, normalised; zero where that pass removed all but 2^-12 of
-    v1 (in the largest entry): v1 was then rounding inside the span of the earlier columns (a rank-deficient state),
-    and so is the direction of v2, which can lie along an earlier column where no further projection removes it (the
-    projections' own rounding is along that column). The dropped content is below fp32 rounding of the column; a
-    zero column gives a zero token (q and u rows zero), which decodes to nothing, as the reference's noise column
-    does to within its rounding."""
+def _normalize_independent(v3, v2, v1):
+    """v3, the third projection pass's remainder of v1 (v2 the second's), normalised; zero where the second pass
+    removed all but 2^-12 of v1 (in the largest entry): v1 was then rounding inside the span of the earlier columns
+    (a rank-deficient state), and so is the direction of what remains, which can lie along an earlier column. The
+    dropped content is below fp32 rounding of the column; a zero column gives a zero token (q and u rows zero), which
+    decodes to nothing, as the reference's noise column does to within its rounding."""
     m_independent = tl.max(tl.abs(v2), axis=0) > tl.max(tl.abs(v1), axis=0) * DEPENDENT
-    return tl.where(m_independent, _normalize(v2), 0.0)
+    return tl.where(m_independent, _normalize(v3), 0.0)
 
 
 @triton.jit
@@ -133,16 +132,37 @@ def _proj(v, c):
 
 
 @triton.jit
-def _mgs2(a0, a1, a2, a3):
-    """Modified Gram-Schmidt with the projections applied twice, as the reference's _mgs; a column that the second
-    pass finds dependent on the earlier ones becomes zero (_normalize_independent)."""
+def _proj_all(v, c0, c1, c2, J: tl.constexpr):
+    """v with its components along c0 .. c_{J-1} removed, one after another."""
+    v = _proj(v, c0)
+    if J > 1:
+        v = _proj(v, c1)
+    if J > 2:
+        v = _proj(v, c2)
+    return v
+
+
+@triton.jit
+def _gs_column(a, c0, c1, c2, J: tl.constexpr):
+    """Column J of the orthonormalisation: three projection passes against the earlier columns. Where the second
+    pass leaves little of a nearly dependent column, its own rounding (relative to the first-pass vector) can be a
+    large share of the remainder and lies along the earlier columns; the third pass removes it (without it, fp16
+    rounding of a hot-row head's token kept an overlap of ~1e-3 with the first, whose u row then carried ~1e-3 of
+    the whole state into the residual)."""
+    v1 = _proj_all(a, c0, c1, c2, J)
+    v2 = _proj_all(v1, c0, c1, c2, J)
+    return _normalize_independent(_proj_all(v2, c0, c1, c2, J), v2, v1)
+
+
+@triton.jit
+def _mgs3(a0, a1, a2, a3):
+    """Modified Gram-Schmidt with the projections applied three times (the reference's _mgs applies them twice; the
+    third pass keeps nearly dependent columns orthogonal, _gs_column); a column that the second pass finds dependent
+    on the earlier ones becomes zero (_normalize_independent)."""
     c0 = _normalize(a0)
-    v = _proj(a1, c0)
-    c1 = _normalize_independent(_proj(v, c0), v)
-    v = _proj(_proj(a2, c0), c1)
-    c2 = _normalize_independent(_proj(_proj(v, c0), c1), v)
-    v = _proj(_proj(_proj(a3, c0), c1), c2)
-    c3 = _normalize_independent(_proj(_proj(_proj(v, c0), c1), c2), v)
+    c1 = _gs_column(a1, c0, c0, c0, 1)
+    c2 = _gs_column(a2, c0, c1, c1, 2)
+    c3 = _gs_column(a3, c0, c1, c2, 3)
     return c0, c1, c2, c3
 
 
@@ -264,14 +284,14 @@ def _build_factors(p_codes, p_sk, p_sv, p_u, p_q, p_kbuf, p_ubuf, p_gbuf, p_w, p
 def _subspace_iteration(p_q0, p_codes, p_sv, p_scr, p_a, p_u_o, p_q_o, b_fac, b_cs, b_sv,
                         V: tl.constexpr, K: tl.constexpr, L: tl.constexpr, R: tl.constexpr, PC: tl.constexpr,
                         TC: tl.constexpr, US: tl.constexpr, QS: tl.constexpr):
-    """Stage 2: qk = MGS2(S^T q0), qv = MGS2(S qk), u = S^T qv; q_new = fp16(qv) and u_new = fp16(u) stored, and
+    """Stage 2: qk = MGS(S^T q0), qv = MGS(S qk), u = S^T qv; q_new = fp16(qv) and u_new = fp16(u) stored, and
     q_new's bf16 hi / lo parts into A's columns 24-31."""
     rv = tl.arange(0, V)
     rk = tl.arange(0, K)
     f = tl.arange(0, 32)
     c16 = tl.arange(0, 16)
     b_a0, b_a1, b_a2, b_a3 = _st_product(p_q0, R, 1, p_a, p_codes, p_sv, b_fac, b_cs, c16, f, rk, V, K, L, PC, TC)
-    b_k0, b_k1, b_k2, b_k3 = _mgs2(b_a0, b_a1, b_a2, b_a3)
+    b_k0, b_k1, b_k2, b_k3 = _mgs3(b_a0, b_a1, b_a2, b_a3)
 
     tl.store(p_scr + 0 * K + rk, b_cs * b_k0)
     tl.store(p_scr + 1 * K + rk, b_cs * b_k1)
@@ -280,7 +300,7 @@ def _subspace_iteration(p_q0, p_codes, p_sv, p_scr, p_a, p_u_o, p_q_o, b_fac, b_
     tl.debug_barrier()
     b_s0, b_s1, b_s2, b_s3 = _s_product(p_scr, b_k0, b_k1, b_k2, b_k3, p_a, p_codes, b_fac, b_sv, c16, f, rv,
                                         V, K, L, PC, TC)
-    b_v0, b_v1, b_v2, b_v3 = _mgs2(b_s0, b_s1, b_s2, b_s3)
+    b_v0, b_v1, b_v2, b_v3 = _mgs3(b_s0, b_s1, b_s2, b_s3)
 
     tl.store(p_scr + 512 + 0 * V + rv, b_v0)
     tl.store(p_scr + 512 + 1 * V + rv, b_v1)

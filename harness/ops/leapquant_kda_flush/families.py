@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from harness.ops.leapquant_kda_flush.draws import Draws, exact_exp, ordered_matmul, ordered_sum
-from harness.ops.leapquant_kda_flush.exact import flush_fp64, mgs2
+from harness.ops.leapquant_kda_flush.exact import exact_state, flush_fp64, mgs2
 from harness.ops.leapquant_kda_flush.layout import CHECKPOINT, DTYPES, EPS, WINDOW, WINDOW_RESET, cast, dims
 
 FAMILIES = ("edge", "second_window", "random", "trajectory", "stress")
@@ -180,6 +180,8 @@ FEW_ENTRIES = 4
 HOT = 7                                                     # the hot row / column
 SCALES = {"tiny": 2.0 ** -20, "huge_sv": 2.0 ** 12, "huge_u": 2.0 ** 5, "huge_q": 4.0, "huge_ubuf": 2.0 ** 5,
           "huge_kbuf": 4.0, "hot": 2.0 ** 10, "split": 2.0 ** -20, "deep": 2.0 ** -32}
+STATE_MAX = 2.0 ** 13                                       # the domain's |S| < 1e4
+COLUMN_NORM_MAX = 2.0 ** 15                                 # bounds |u| = |S^T q| below fp16's 65504
 TOTAL_DECAY_PCUM = -2000.0
 TOTAL_DECAY_GATE = 2.0 ** -24                               # fp16's smallest positive value: gbuf stays in (0, 1]
 
@@ -192,6 +194,19 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
 def _dyadic(x: torch.Tensor) -> torch.Tensor:
     """x on the grid k / 8: exact in fp16 and bf16 for |x| <= 32."""
     return torch.round(x * 8.0) * 0.125
+
+
+def _within_format(x: dict) -> dict:
+    """Heads scaled down by a power of 2 where their state leaves the domain (|S| < 1e4) or the new tokens could not
+    hold it: u = S^T q with unit rows q, so a column of S whose 2-norm exceeds fp16's range (65504) would make u
+    infinite in any flush, the reference's included (a hot column summed over a window of repeated keys does). s_v, u
+    and ubuf scale together, so S scales with them."""
+    state = exact_state(cast(x))
+    column_norm = ordered_sum(state * state, -2).amax(-1).sqrt()
+    over = torch.maximum(state.abs().amax((-2, -1)) / STATE_MAX, column_norm / COLUMN_NORM_MAX)
+    factor = _pow2(-torch.frexp(over)[1].clamp_min(0).double())        # 2^-m with 2^m > over
+    return {**x, "s_v": x["s_v"] * factor[..., None], "u": x["u"] * factor[..., None, None],
+            "ubuf": x["ubuf"] * factor[..., None, None]}
 
 
 def stress_choices(d: Draws, B, H, params: dict) -> tuple[dict, dict]:
@@ -330,6 +345,7 @@ def _stress(d: Draws, B, H, V, K, L, R, params: dict) -> tuple[dict, dict, torch
     for name in ("s_v", "ubuf"):
         x[name] = where("scale", "deep", x[name], x[name] * SCALES["deep"])
     x["u"] = where("scale", "deep", x["u"], 0.0)
+    x = _within_format(x)
     checkpoint = cast({k: x[k] for k in CHECKPOINT})
     return checkpoint, cast({k: x[k] for k in WINDOW}), q0
 
