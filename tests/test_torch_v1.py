@@ -22,15 +22,10 @@ def test_one_graph_no_breaks(defn):
 HOT_ROW_RANK_ONE = {"checkpoint": "zero", "window": "one", "rank": 1, "scale": "hot_row", "values": "exact"}
 
 
-def hot_row_rank_one_heads(seed: int, axes: dict) -> dict:
-    return op.make_inputs("stress", axes, seed, params={"programs": [HOT_ROW_RANK_ONE] * 32,
-                                                         "call": {"q0": "one_hot"}})
-
-
 @pytest.mark.parametrize("seed", [1, 2])
 def test_rank_one_hot_row_heads(defn, seed):
     axes = defn.resolve_axes({"batch_size": 1})
-    x = hot_row_rank_one_heads(seed, axes)
+    x = op.make_inputs("stress", axes, seed, params={"programs": [HOT_ROW_RANK_ONE] * 32, "call": {"q0": "one_hot"}})
     run = load_entry(load_solution("torch_v1", defn), defn)
     verdict = op.judge(x, run(x, axes), defn.reference_run()(**x))
     assert verdict.passed, verdict.reason

@@ -17,11 +17,12 @@ The three subspace products use the factored form, chunked over 32 rows (columns
 The codes and A products run on tensor cores (codes are exact in bf16; the four vectors are a three-way split in the
 columns 0-3 / 4-7 / 8-11 of a [*, 16] tile, summed when the result vectors are extracted); the B parts are fp32 FMAs.
 The vectors the chunked loops read (cs * qk, qv) go through the head's own codes_new region as fp32 scratch (the last
-pass overwrites it), behind a CTA barrier.  Gram-Schmidt (three passes) runs on four 1-D vectors.  The residual is rebuilt twice in row
-chunks of VC rows (once for s_k, once for s_v and the codes).  u_new is stored before the residual passes and read
-back (after a CTA barrier) for the rows 24-31 of B. A is built once as bf16 rows in the scratch (bytes [8192, 16384)
-of codes_new; q_new's hi / lo go into its columns 24-31 before the residual) and every chunk loads its rows from there;
-the window rows of B come from a sequential per-thread decay product through the scratch (no block-wide scan);
+pass overwrites it), behind a CTA barrier.  Gram-Schmidt (three passes) runs on four 1-D vectors.  The residual is
+rebuilt twice in row chunks of VC rows (once for s_k, once for s_v and the codes).  u_new is stored before the
+residual passes and read back (after a CTA barrier) for the rows 24-31 of B. A is built once as bf16 rows in the
+scratch (bytes [8192, 16384) of codes_new; q_new's hi / lo go into its columns 24-31 before the residual) and every
+chunk loads its rows from there; the window rows of B come from a sequential per-thread decay product through the
+scratch (no block-wide scan);
 pass 1 accumulates |E| elementwise and reduces once; pass 2 rounds with one FFMA and needs no clamp.
 
 The kernel runs three stages, one function each: _build_factors (cs, s_v, B, A), _subspace_iteration (qk, qv, u_new,
