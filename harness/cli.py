@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
-from pathlib import Path
 from typing import Callable
 
 from harness import HarnessError
+from harness.project import Project, Settings
 
-DEFINITIONS = Path("definitions")
 DEVICES = ("auto", "cuda", "cpu")
 
 # the exit-code convention of every command
@@ -68,13 +67,6 @@ def description(doc: str, width: int = 100) -> str:
     paragraphs = text.split("\n\n")
     return "\n\n".join(p if any(line[:1].isspace() for line in p.splitlines())
                        else textwrap.fill(" ".join(p.split()), width) for p in paragraphs)
-
-
-def default_definition(root: str | Path = DEFINITIONS) -> str | None:
-    """The definition a command works on when --definition is not given: the only one under root, so that no
-    operator's name is written into the harness; None when there are several (or none), and then it must be named."""
-    names = {path.stem for path in Path(root).rglob("*.json")}
-    return names.pop() if len(names) == 1 else None
 
 
 # ------------------------------------------------------------------------------------------------ value parsers
@@ -137,16 +129,30 @@ def add_solution(p, many: bool = False, help: str | None = None) -> None:
 
 
 def add_solutions_dir(p) -> None:
-    p.add_argument("--solutions", default="solutions", metavar="DIR",
-                   help="the folder holding the solution folders (default: %(default)s)")
+    p.add_argument("--solutions", metavar="DIR",
+                   help="the folder holding the solution folders (default: the project's solutions/)")
+
+
+def add_project(p) -> None:
+    """--project DIR: read back with project_of(args)."""
+    p.add_argument("--project", metavar="DIR",
+                   help="the project's root folder, which holds definitions/, solutions/, workloads/ and traces/ "
+                        "(default: the nearest such folder at or above the working directory, else the checkout "
+                        "the harness is installed from)")
 
 
 def add_definition(p) -> None:
-    """--definition NAME: default the only definition under definitions/, required when there are several."""
-    default = default_definition()
-    p.add_argument("--definition", default=default, required=default is None, metavar="NAME",
-                   help="definition name, under definitions/ " + ("(default: %(default)s)" if default else
-                                                                  "(required here: not exactly one there)"))
+    """--project DIR and --definition NAME (default the project's only definition; required when it has several),
+    read back with project_of(args) and definition.project_definition(project, args.definition)."""
+    add_project(p)
+    p.add_argument("--definition", metavar="NAME",
+                   help="definition name, under the project's definitions/ (default: its only definition; required "
+                        "when it holds several)")
+
+
+def project_of(args: argparse.Namespace) -> Project:
+    """The project a command works in: --project, else found (Project.find)."""
+    return Project.at(args.project) if getattr(args, "project", None) else Project.find()
 
 
 def add_device(p, default: str = "auto", help: str | None = None) -> None:
@@ -180,14 +186,24 @@ def add_family(p, default: str, help: str | None = None) -> None:
                    help=(help or "the input family whose workloads give the inputs") + " (default: %(default)s)")
 
 
-def add_timeout(p, default: float = 300.0, help: str | None = None) -> None:
+def add_timeout(p, default: float = Settings.timeout_s, help: str | None = None) -> None:
+    """--timeout S: read back into the run's Settings with settings_of(args)."""
     p.add_argument("--timeout", type=positive_float, default=default, metavar="S",
                    help=(help or "seconds per call before TIMEOUT") + " (default: %(default)g)")
 
 
-def add_traces(p, default: str | None, help: str | None = None) -> None:
-    p.add_argument("--traces", default=default, metavar="DIR",
-                   help=help or "root of the traces and records, one folder per definition (default: %(default)s)")
+def settings_of(args: argparse.Namespace, **changes) -> Settings:
+    """The run's Settings: the defaults, with what the command line set (--timeout) and `changes`."""
+    if getattr(args, "timeout", None) is not None:
+        changes.setdefault("timeout_s", args.timeout)
+    return Settings(**changes)
+
+
+def add_traces(p, help: str | None = None) -> None:
+    """--traces DIR, default None: the command picks its default (usually the project's traces/)."""
+    p.add_argument("--traces", metavar="DIR",
+                   help=help or "root of the traces and records, one folder per definition (default: the project's "
+                                "traces/)")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -205,15 +221,19 @@ def resolve_device(choice: str, cpu_note: str = "Triton through the interpreter,
     return choice
 
 
-def catalogue(root: str | Path = ".") -> str:
+def catalogue() -> str:
     """The input families and batch sizes of the default definition's committed workloads (what --families and
     --batch-sizes choose from), for --help; read from the workload lines, nothing generated or checked."""
-    definition = default_definition(Path(root) / DEFINITIONS)
+    try:
+        project = Project.find()
+    except HarnessError as e:
+        return f"families and batch sizes: {e}"
+    definition = project.default_definition_name()
     if definition is None:
-        return "families and batch sizes: not exactly one definition under definitions/ (run from the repository root)"
-    paths = sorted(Path(root).glob(f"workloads/*/{definition}.jsonl"))
+        return f"families and batch sizes: not exactly one definition in {project.definitions}"
+    paths = sorted(project.workloads.glob(f"*/{definition}.jsonl"))
     if not paths:
-        return f"families and batch sizes: no workload file for {definition} here (run from the repository root)"
+        return f"families and batch sizes: no workload file for {definition} in {project.workloads}"
     sizes: dict[str, set] = {}
     try:
         for line in paths[0].read_text().splitlines():

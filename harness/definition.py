@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 from pydantic import Field, PrivateAttr
 
-from harness import HarnessError, cli
+from harness import HarnessError
+from harness.project import Project
 from harness.records import DefinitionRecord, TensorSpec, decode_json, parse
 
 class DefinitionError(HarnessError):
@@ -105,18 +106,20 @@ def _check_pin(path: Path, data: bytes, pins: Path) -> None:
                               f"in {pins} ({recorded[key][:12]}): the contract was changed")
 
 
-def find_definition(name: str, root: str | Path = "definitions") -> Definition:
-    """The definition called `name` under `root` (searched recursively for `<name>.json`), checked against the
-    hashes pinned in `root`/SHA256SUMS."""
+def find_definition(name: str, root: str | Path) -> Definition:
+    """The definition called `name` under `root` (a project's definitions/, searched recursively for `<name>.json`),
+    checked against the hashes pinned in `root`/SHA256SUMS."""
     matches = sorted(Path(root).rglob(f"{name}.json"))
     if not matches:
         raise DefinitionError(f"{root}: no definition named {name!r}")
     return load_definition(matches[0], Path(root) / PINS)
 
 
-def default_definition(root: str | Path = "definitions") -> Definition:
-    """The only definition under `root` (cli.default_definition): the one a command that names none works on."""
-    name = cli.default_definition(root)
+def project_definition(project: Project, name: str | None = None) -> Definition:
+    """The project's definition called `name`; without a name its only one (Project.default_definition_name), the
+    one a command that names none works on."""
+    name = name or project.default_definition_name()
     if name is None:
-        raise DefinitionError(f"{root}: not exactly one definition here, so none is the default")
-    return find_definition(name, root)
+        raise DefinitionError(f"{project.definitions}: not exactly one definition here, so none is the default: "
+                              f"name one with --definition")
+    return find_definition(name, project.definitions)

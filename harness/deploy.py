@@ -14,7 +14,6 @@ from harness import timing
 
 DEPLOYMENT_SOURCE = "pool.py"
 GRAPH_STEPS = 8          # steps of the graph that measures a none-due call's marginal cost
-REPLAYS = timing.REPLAY_WARMUP + timing.REPLAY_CALLS
 
 
 def side_stream(device) -> torch.cuda.Stream:
@@ -31,14 +30,14 @@ def warm_graph(call, stream):
     return timing.capture(call, stream)[0]
 
 
-def median_ms(prepare, stream, n_calls: int = REPLAYS) -> float:
+def median_ms(prepare, stream, n_calls: int, warmup: int) -> float:
     """Median latency (ms) of the timed replays of the graphs prepare(k) returns, k < n_calls (harness.timing; the
-    first REPLAY_WARMUP are warm-up)."""
+    first `warmup` are not counted)."""
     latencies = timing.time_replays(prepare, n_calls, stream)
-    return statistics.median(latencies[timing.REPLAY_WARMUP:])
+    return statistics.median(latencies[warmup:])
 
 
-def marginal_in_graph_ms(call, stream, steps: int = GRAPH_STEPS) -> float:
+def marginal_in_graph_ms(call, stream, n_calls: int, warmup: int, steps: int = GRAPH_STEPS) -> float:
     """What `call` adds, per call, to a CUDA graph of `steps` L2-cold steps (each an L2 flush, then the call): the
     graph's median replay time less that of the same graph without the calls, over `steps`. A serving engine's
     decode step is such a graph, so this is the call's cost there, without a graph launch and two events of its
@@ -54,15 +53,16 @@ def marginal_in_graph_ms(call, stream, steps: int = GRAPH_STEPS) -> float:
         return body
 
     with_calls, without = (warm_graph(steps_of(c), stream) for c in (True, False))
-    return (median_ms(lambda k: with_calls, stream) - median_ms(lambda k: without, stream)) / steps
+    return (median_ms(lambda k: with_calls, stream, n_calls, warmup)
+            - median_ms(lambda k: without, stream, n_calls, warmup)) / steps
 
 
 def run_case(flush_inplace, op, inputs: dict, count: torch.Tensor, slots: torch.Tensor,
-             in_graph: bool) -> tuple[float | None, float | None, dict]:
+             in_graph: bool, warmup: int) -> tuple[float | None, float | None, dict]:
     """flush_inplace on a pool of B + 1 slots: before call k, outside the timed region, sequence n of `inputs`
     (batched [B, ...]; the op's POOL_CALL_ARGS, shared by all, are passed to the call) is written to slot slots[k, n]
     with fill counters count[k, n]. On a GPU
-    every call is one replay of a graph of one call (len(slots) replays, the first REPLAY_WARMUP untimed), on the
+    every call is one replay of a graph of one call (len(slots) replays, the first `warmup` not counted), on the
     CPU a plain call. Returns the median latency (ms; None on the CPU); with `in_graph` (a GPU only), the call's
     marginal cost in a graph of several steps on the pool as the last call left it (None otherwise); and the state
     the last call left: every checkpoint and window field and the counters of its slots, in the order of the
@@ -88,20 +88,20 @@ def run_case(flush_inplace, op, inputs: dict, count: torch.Tensor, slots: torch.
         with torch.cuda.stream(stream):
             prepare(0)
         graph = warm_graph(call, stream)
-        median = median_ms(prepare, stream, len(slots))
+        median = median_ms(prepare, stream, len(slots), warmup)
     else:
         for k in range(len(slots)):
             prepare(k)
             call()
     state = {name: getattr(pool, name)[slots[-1]] for name in (*op.CHECKPOINT, *op.WINDOW, "count")}
     if in_graph:
-        marginal = marginal_in_graph_ms(call, stream)
+        marginal = marginal_in_graph_ms(call, stream, len(slots), warmup)
     return median, marginal, state
 
 
-def empty_graph_us(device) -> float:
+def empty_graph_us(device, n_calls: int, warmup: int) -> float:
     """Median latency (us) of a CUDA graph holding one empty kernel, timed as the cases are: what this timer reads
     for no work at all (graph launch, events, the kernel's launch), the context of the none-due target."""
     stream = side_stream(device)
     graph = warm_graph(lambda: torch.cuda._sleep(0), stream)
-    return median_ms(lambda k: graph, stream) * 1e3
+    return median_ms(lambda k: graph, stream, n_calls, warmup) * 1e3

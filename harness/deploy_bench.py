@@ -1,14 +1,16 @@
 """python -m harness deploy --solution NAME [--batch-sizes 64,256,512] [--family random] [--traces DIR]
-[--device auto|cuda|cpu]: time a solution's deployment form on the GPU and write traces/<definition>/deploy_<NAME>.json
-(rendered in LEADERBOARD.md by `python -m harness.report`). Exits 1 when a case fails its check (below) or the
-solution's worker fails, 2 on bad input.
+[--device auto|cuda|cpu]: time a solution's deployment form on the GPU and write
+<traces>/<definition>/deploy_<NAME>.json (traces: the project's traces/ by default; rendered in LEADERBOARD.md by
+`python -m harness.report`). Exits 1 when a case fails its check (below) or the solution's worker fails, 2 on bad
+input.
 
 The deployment form is the solution's `pool.py::flush_inplace(pool, idx, ...)` on the operator's `Pool`
 (harness/ops/<op_type>/, docs/operator.md "Deployment form": one flat buffer in the published engine
 layout, the dense window and the fill counter `count`). It runs in the solution's sandboxed worker, as
 `python -m harness.run` runs `run` (harness.runner.Worker; the worker's side is harness/deploy.py). Cases, each one
 CUDA graph of one call on a pool of B + 1 slots filled with a workload's inputs (family `--family`), timed by
-harness.timing (graph replays between CUDA events, L2 flushed before each, median of REPLAY_CALLS after warm-up):
+harness.timing (graph replays between CUDA events, L2 flushed before each, median of Settings.replay_calls after
+warm-up):
 every program due at each batch size; the steady state at the largest, one sequence in 16 due (a different 16th
 each call, as when every sequence flushes every 16 tokens); none due at the largest, against a 5 us target, both as
 a graph of its own and as its marginal cost in a graph of several L2-cold steps, as a serving engine's decode graph
@@ -34,8 +36,9 @@ from pathlib import Path
 import torch
 
 from harness import HarnessError, cli, deploy, timing, traces
-from harness.definition import find_definition
+from harness.definition import project_definition
 from harness.ops import load_op
+from harness.project import Settings
 from harness.records import DeployRecord
 from harness.runner import INCORRECT_NUMERICAL, PASSED, RUNTIME_ERROR, Worker, program_layout
 from harness.solutions import load_solution
@@ -43,7 +46,6 @@ from harness.workloads import load_inputs, load_workloads, select
 
 NONE_DUE_TARGET_US = 5.0
 SEED = 20261204
-TIMEOUT_S = 300.0       # per request to the worker (--timeout): a case, compilation and capture included
 
 
 def program_bytes(defn, op) -> int:
@@ -112,17 +114,18 @@ def _latency(value, wanted: bool, least: float = 0.0) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= least
 
 
-def run_case(worker: Worker, defn, op, x: dict, counts, n_calls: int,
+def run_case(worker: Worker, defn, op, x: dict, counts, n_calls: int, warmup: int,
              in_graph: bool) -> tuple[str, str, float | None, float | None]:
     """One case in the solution's worker (harness.deploy.run_case): n_calls calls, call k with fill counters
-    counts(k) [B], timed on a GPU; then the state the last call left judged (check_state). Returns (status, log,
+    counts(k) [B], timed on a GPU (the first `warmup` not counted); then the state the last call left judged
+    (check_state). Returns (status, log,
     median ms, and with `in_graph` the call's marginal cost in ms in a graph of several steps); the latencies are
     None on the CPU or when the worker failed."""
     batched, n_prefix = program_layout(defn)
     programs = x[batched[0]].shape[:n_prefix]       # the fill counters' shape: [B, ...], one per program
     B, per_sequence = programs[0], (1,) * (n_prefix - 1)
     count, slots = schedule(counts, B, n_calls)
-    header = {"op": "deploy_case", "in_graph": in_graph}
+    header = {"op": "deploy_case", "in_graph": in_graph, "warmup": warmup}
     tensors = {**x, "count": count.view(n_calls, B, *per_sequence).expand(n_calls, *programs).contiguous(),
                "slots": slots}
     status, reply, state = worker.request(header, tensors, "running a deployment case")
@@ -147,8 +150,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cli.add_definition(p)
     cli.add_device(p, "cuda", help="cuda: timed, the record written; cpu: each case one untimed call, judged, "
                                    "nothing written; auto: cuda when torch sees a GPU, else cpu")
-    cli.add_timeout(p, TIMEOUT_S, help="seconds per request to the worker (a case, compilation and capture included)")
-    cli.add_traces(p, str(traces.TRACES), help="root of the output (default: %(default)s)")
+    cli.add_timeout(p, help="seconds per request to the worker (a case, compilation and capture included)")
+    cli.add_traces(p, help="root of the output (default: the project's traces/)")
 
 
 def main(argv=None) -> int:
@@ -160,18 +163,21 @@ def execute(args: argparse.Namespace) -> int:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise HarnessError("the deployment benchmark needs a GPU: torch sees none (--device cpu judges untimed)")
         device = cli.resolve_device(args.device, "one untimed call a case, judged")
-        defn = find_definition(args.definition)
+        project = cli.project_of(args)
+        settings = cli.settings_of(args)
+        defn = project_definition(project, args.definition)
         op = load_op(defn.op_type)
-        sol = load_solution(args.solution, defn)
+        sol = load_solution(args.solution, defn, project.solutions)
         if deploy.DEPLOYMENT_SOURCE not in sol.sources:
             raise HarnessError(f"{sol.name}: no {deploy.DEPLOYMENT_SOURCE} among its sources (its deployment form)")
-        workloads = {w.axes["batch_size"]: w for w in select(load_workloads(defn), args.batch_sizes, [args.family])}
+        workloads = {w.axes["batch_size"]: w for w in select(load_workloads(defn, project.workload_file(defn)),
+                                                             args.batch_sizes, [args.family])}
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    worker = Worker(sol, defn, device, args.timeout, hide=[Path.cwd()])
+    worker = Worker(sol, defn, device, settings.timeout_s, hide=[project.root])
     try:
-        return _bench(worker, defn, op, workloads, args, device)
+        return _bench(worker, defn, op, workloads, args, device, project, settings)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -179,12 +185,14 @@ def execute(args: argparse.Namespace) -> int:
         worker.close()
 
 
-def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, device: str) -> int:
+def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, device: str, project,
+           settings: Settings) -> int:
     timed = device == "cuda"
     if worker.isolation != "bwrap":
         print(f"WARNING: the solution runs {worker.isolation}; the record says so", flush=True)
     per_program = program_bytes(defn, op)
-    bandwidth = timing.copy_bandwidth("cuda") if timed else None
+    bandwidth = (settings.bandwidth or timing.copy_bandwidth("cuda")) if timed else None
+    replays = settings.replay_warmup + settings.replay_calls
     print(f"{worker.sol.name}: deployment form, {args.family} inputs, "
           + (f"copy rate {bandwidth / 1e12:.2f} TB/s, {per_program} bytes a flushed program (window reset included)"
              if timed else "on the CPU: one untimed call a case, judged"), flush=True)
@@ -196,7 +204,8 @@ def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, 
               ("none due", largest, lambda k: 1 + (torch.arange(largest) + k) % (full - 1))]
     empty_us = None
     if timed:
-        status, reply, _ = worker.request({"op": "deploy_empty"}, None, "timing an empty graph")
+        status, reply, _ = worker.request({"op": "deploy_empty", "calls": replays, "warmup": settings.replay_warmup},
+                                          None, "timing an empty graph")
         if status != "ok" or not _latency(reply.get("empty_graph_us"), True):
             print(f"  empty kernel: {status if status != 'ok' else RUNTIME_ERROR}: "
                   f"{reply if status != 'ok' else 'malformed reply: no valid latency'}", flush=True)
@@ -206,11 +215,10 @@ def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, 
               flush=True)
     rows, passed = [], True
     for case, b, counts in cases:
-        x = load_inputs(defn, workloads[b], device)
+        x = load_inputs(defn, workloads[b], device, root=project.root)
         due_programs = int((counts(0) == full).sum()) * math.prod(x[batched[0]].shape[1:n_prefix])
-        status, log, median_ms, marginal_ms = run_case(worker, defn, op, x, counts,
-                                                       deploy.REPLAYS if timed else 1,
-                                                       in_graph=timed and not due_programs)
+        status, log, median_ms, marginal_ms = run_case(worker, defn, op, x, counts, replays if timed else 1,
+                                                       settings.replay_warmup, in_graph=timed and not due_programs)
         del x
         passed &= status == PASSED
         verdict = status if status == PASSED else f"{status}: {log}"
@@ -242,9 +250,9 @@ def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, 
         return 0 if passed else 1
     record = DeployRecord(definition=defn.name, solution=worker.sol.name, solution_sha256=worker.sha256,
                           sandbox=worker.isolation, environment=traces.environment("cuda"), family=args.family,
-                          copy_bandwidth=bandwidth, bytes_per_program=per_program, timed_calls=timing.REPLAY_CALLS,
+                          copy_bandwidth=bandwidth, bytes_per_program=per_program, timed_calls=settings.replay_calls,
                           empty_graph_us=empty_us, rows=rows)
-    path = Path(args.traces) / defn.name / f"deploy_{worker.sol.name}.json"
+    path = Path(args.traces or project.traces) / defn.name / f"deploy_{worker.sol.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
     print(f"wrote {path}")

@@ -2,8 +2,8 @@
 each flush's checkpoint back with a fresh window, for many windows, and compare the accuracy with the reference
 pipeline run on the same windows. Prints one row per window; exits 1 when any window's error ratio exceeds the
 limit, 2 on bad input. The operator supplies the stream (`drift`) and its limit; the solution runs in its own worker
-process. --record writes the table to traces/<definition>/drift_<NAME>.json (rendered in LEADERBOARD.md by
-`python -m harness.report`)."""
+process. --record writes the table to <traces>/<definition>/drift_<NAME>.json (the project's traces/ by default;
+rendered in LEADERBOARD.md by `python -m harness.report`)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,8 @@ from tabulate import tabulate
 
 from harness import HarnessError, cli, traces
 from harness.cli import resolve_device
-from harness.definition import default_definition, find_definition
+from harness.definition import project_definition
+from harness.project import Project
 from harness.ops import load_op
 from harness.records import DriftRecord
 from harness.runner import PASSED, Worker, check_outputs
@@ -27,7 +28,7 @@ DRIFT_SEED = 20261203
 def _epilog() -> str:
     """The exit codes, with the default definition's limit (its operator is loaded only when the help is shown)."""
     try:
-        limit = load_op(default_definition().op_type).DRIFT_LIMIT
+        limit = load_op(project_definition(Project.find()).op_type).DRIFT_LIMIT
     except HarnessError:
         limit = "its operator's limit"
     return cli.epilog(f"a window's error ratio over {limit}, or the solution failed a flush")()
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed of the stream of windows (default: %(default)s)")
     cli.add_timeout(p, help="seconds per flush before giving up")
     p.add_argument("--record", action="store_true", help="write the table to <traces>/<definition>/drift_<NAME>.json")
-    cli.add_traces(p, str(traces.TRACES), help="root of --record's file (default: %(default)s)")
+    cli.add_traces(p, help="root of --record's file (default: the project's traces/)")
 
 
 def main(argv=None) -> int:
@@ -56,14 +57,15 @@ def main(argv=None) -> int:
 def execute(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
-        defn = find_definition(args.definition)
+        project = cli.project_of(args)
+        defn = project_definition(project, args.definition)
         op = load_op(defn.op_type)
-        sol = load_solution(args.solution, defn)
+        sol = load_solution(args.solution, defn, project.solutions)
         axes = defn.resolve_axes({"batch_size": args.batch_size})
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    worker = Worker(sol, defn, device, args.timeout, hide=[Path.cwd()])
+    worker = Worker(sol, defn, device, cli.settings_of(args).timeout_s, hide=[project.root])
 
     def flush(**inputs):
         status, header, tensors = worker.request({"op": "run", "axes": axes}, inputs)
@@ -98,7 +100,7 @@ def execute(args: argparse.Namespace) -> int:
         record = DriftRecord(definition=defn.name, solution=sol.name, solution_sha256=worker.sha256,
                              environment=traces.environment(device), windows=args.windows,
                              batch_size=args.batch_size, seed=args.seed, limit=limit, worst=worst, rows=rows)
-        path = Path(args.traces) / defn.name / f"drift_{sol.name}.json"
+        path = Path(args.traces or project.traces) / defn.name / f"drift_{sol.name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
         print(f"wrote {path}")

@@ -1,4 +1,4 @@
-"""python -m harness.export DIR [--no-blobs] [--batch-sizes 1,64]: write this repository as a self-contained
+"""python -m harness.export DIR [--no-blobs] [--batch-sizes 1,64]: write the project as a self-contained
 FlashInfer-bench dataset under DIR.
 
 DIR/definitions/<op_type>/<definition>.json, DIR/workloads/<op_type>/<definition>.jsonl (the workload lines) with
@@ -19,35 +19,36 @@ from safetensors.torch import save_file
 
 from harness import HarnessError, cli
 from harness.definition import PINS, load_definition
+from harness.project import Project
 from harness.records import BuildSpec, SolutionRecord, SourceFile
 from harness.solutions import REFERENCE, discover, load_solution
-from harness.traces import TRACES, load_traces
-from harness.workloads import load_inputs, load_workloads, save_workloads, select, workloads_path
+from harness.traces import load_traces
+from harness.workloads import load_inputs, load_workloads, save_workloads, select
 
 
-def export(out: Path, root: Path = Path("."), blobs: bool = True, batch_sizes=None) -> dict[str, int]:
+def export(out: Path, project: Project, blobs: bool = True, batch_sizes=None) -> dict[str, int]:
     counts = {"definitions": 0, "workloads": 0, "blobs": 0, "solutions": 0, "traces": 0}
-    for def_path in sorted((root / "definitions").rglob("*.json")):
-        defn = load_definition(def_path, root / "definitions" / PINS)
+    for def_path in sorted(project.definitions.rglob("*.json")):
+        defn = load_definition(def_path, project.definitions / PINS)
         sub = Path(defn.op_type)
         (out / "definitions" / sub).mkdir(parents=True, exist_ok=True)
         shutil.copy(def_path, out / "definitions" / sub / f"{defn.name}.json")
         counts["definitions"] += 1
         uuids = None
-        if workloads_path(defn, root).exists():
-            workloads = select(load_workloads(defn, workloads_path(defn, root)), batch_sizes)
+        if project.workload_file(defn).exists():
+            workloads = select(load_workloads(defn, project.workload_file(defn)), batch_sizes)
             uuids = {w.uuid for w in workloads}
-            save_workloads(out / "workloads" / sub / workloads_path(defn, root).name, workloads)
+            save_workloads(out / "workloads" / sub / project.workload_file(defn).name, workloads)
             counts["workloads"] += len(workloads)
             for w in workloads if blobs else ():
-                tensors = load_inputs(defn, w, root=root)          # made and checked against its hash if need be
+                tensors = load_inputs(defn, w, root=project.root)  # made and checked against its hash if need be
                 (out / w.blob).parent.mkdir(parents=True, exist_ok=True)
                 save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / w.blob))
                 counts["blobs"] += 1
         lines = []
-        for name in discover(defn, root / "solutions"):
-            sol = load_solution(name, defn, root / "solutions")
-            lines += [t for t in load_traces(defn.name, name, root / TRACES)
+        for name in discover(defn, project.solutions):
+            sol = load_solution(name, defn, project.solutions)
+            lines += [t for t in load_traces(defn.name, name, project.traces)
                       if uuids is None or t.workload.uuid in uuids]
             if sol.is_reference:
                 record = SolutionRecord(
@@ -79,6 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path, help="the dataset's folder (made if need be)")
     p.add_argument("--no-blobs", action="store_true", help="leave the workloads' tensors out (several GB in all)")
     cli.add_batch_sizes(p, help="comma-separated: export only these batch sizes' workloads and traces (default: all)")
+    cli.add_project(p)
 
 
 def main(argv=None) -> int:
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     try:
-        counts = export(args.dir, blobs=not args.no_blobs, batch_sizes=args.batch_sizes)
+        counts = export(args.dir, cli.project_of(args), blobs=not args.no_blobs, batch_sizes=args.batch_sizes)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,10 +14,9 @@ import sys
 import time
 
 from harness import HarnessError, cli
-from harness.definition import find_definition
+from harness.definition import project_definition
 from harness.ops import load_op
-from harness.workloads import BASE_SEED, DEFAULT_BATCH_SIZES, load_workloads, make_workload, save_workloads, \
-    workloads_path
+from harness.workloads import BASE_SEED, DEFAULT_BATCH_SIZES, load_workloads, make_workload, save_workloads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +38,8 @@ def main(argv=None) -> int:
 def execute(args: argparse.Namespace) -> int:
     try:
         device = cli.resolve_device(args.device, "the bits do not depend on it")
-        defn = find_definition(args.definition)
+        project = cli.project_of(args)
+        defn = project_definition(project, args.definition)
         op = load_op(defn.op_type)
         families = args.families or op.FAMILIES
         unknown = [f for f in families if f not in op.FAMILIES]
@@ -51,14 +51,15 @@ def execute(args: argparse.Namespace) -> int:
                 if b not in op.FAMILY_BATCH_SIZES.get(family, (b,)):
                     continue
                 t = time.time()
-                workloads.append(make_workload(defn, family, {"batch_size": b}, args.seed, device=device))
+                workloads.append(make_workload(defn, family, {"batch_size": b}, args.seed, root=project.root,
+                                               device=device))
                 print(f"{family:>13} batch_size={b:<4} {time.time() - t:6.1f} s  {workloads[-1].blob}", flush=True)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    path = workloads_path(defn)
+    path = project.workload_file(defn)
     redone = {(w.family, tuple(w.axes.items())) for w in workloads}
-    kept = load_workloads(defn) if path.exists() else []
+    kept = load_workloads(defn, path) if path.exists() else []
     merged = [w for w in kept if (w.family, tuple(w.axes.items())) not in redone] + workloads
     order = {f: i for i, f in enumerate(op.FAMILIES)}
     merged.sort(key=lambda w: (tuple(w.axes.values()), order[w.family]))

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from harness import HarnessError, cli
-from harness.definition import Definition, find_definition
+from harness.definition import Definition, project_definition
 from harness.records import LANGUAGES
 from harness.solutions import load_solution
 
@@ -44,9 +44,8 @@ Nothing yet.
 PYTHON_DESIGN = "The definition's reference code as it stands (`flush.py`)."
 
 
-def write_solution(defn: Definition, name: str, language: str, author: str,
-                   root: str | Path = "solutions") -> Path:
-    """Write solutions/<name>/ for `language` and return the folder."""
+def write_solution(defn: Definition, name: str, language: str, author: str, root: str | Path) -> Path:
+    """Write root/<name>/ (root: a project's solutions/) for `language` and return the folder."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name == "reference":
         raise HarnessError(f"{name!r} is not a solution name: lower case letters, digits and _, not 'reference'")
     if language not in LANGUAGES:
@@ -97,8 +96,9 @@ def main(argv=None) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     try:
-        folder = write_solution(find_definition(args.definition), args.name, args.language, args.author,
-                                args.solutions)
+        project = cli.project_of(args)
+        folder = write_solution(project_definition(project, args.definition), args.name, args.language,
+                                args.author, args.solutions or project.solutions)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -39,18 +39,18 @@ OPCODE = re.compile(r"\s+/\*[0-9a-f]{4,6}\*/\s+(@!?U?P\w+\s+)?(?P<op>[A-Z][A-Z0-
 LINE = re.compile(r'//## File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
-def run_solution(name: str, batch_size: int, family: str, calls: int, definition: str) -> None:
+def run_solution(project, name: str, batch_size: int, family: str, calls: int, definition: str | None) -> None:
     import torch
 
-    from harness.definition import find_definition
+    from harness.definition import project_definition
     from harness.solutions import load_entry, load_solution
     from harness.workloads import load_inputs, load_workloads, select
 
-    defn = find_definition(definition)
-    [workload] = select(load_workloads(defn), [batch_size], [family])
-    entry = load_entry(load_solution(name, defn), defn)
+    defn = project_definition(project, definition)
+    [workload] = select(load_workloads(defn, project.workload_file(defn)), [batch_size], [family])
+    entry = load_entry(load_solution(name, defn, project.solutions), defn)
     axes = defn.resolve_axes(workload.axes)
-    x = load_inputs(defn, workload, "cuda")
+    x = load_inputs(defn, workload, "cuda", root=project.root)
     for _ in range(calls):
         entry(x, axes)
     torch.cuda.synchronize()
@@ -217,7 +217,8 @@ def main(argv=None) -> int:
 def execute(args: argparse.Namespace) -> int:
     try:
         if args.tool == "run":
-            run_solution(args.solution, args.batch_size, args.family, args.calls, args.definition)
+            run_solution(cli.project_of(args), args.solution, args.batch_size, args.family, args.calls,
+                         args.definition)
         elif args.tool == "sass":
             sass(args.cubin, args.top)
         else:

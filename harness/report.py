@@ -1,4 +1,4 @@
-"""python -m harness.report [--check]: rebuild LEADERBOARD.md (and its plot) from traces/.
+"""python -m harness.report [--check]: rebuild the project's LEADERBOARD.md (and its plot) from its traces/.
 
 Per solution and batch size: status over the families, median latency, its ratio to the memory floor, speedup over
 `reference` and the worst of the operator's scores (the verdicts' headline figure); per solution: the geometric-mean
@@ -22,36 +22,37 @@ from pathlib import Path
 from tabulate import tabulate
 
 from harness import HarnessError, cli
-from harness.definition import default_definition, find_definition
+from harness.definition import find_definition, project_definition
 from harness.ops import Operator, load_op
 from harness.records import (RECORDS, DeployRecord, DriftRecord, EvaluationStatus, SolutionRun, StressRecord, Trace,
                              parse, read_json)
 from harness.solutions import discover, load_solution, source_sha256
-from harness.traces import TRACES, load_traces, read_traces
+from harness.project import LEADERBOARD_FILE, PLOT_FILE, Project
+from harness.traces import load_traces, read_traces
 
 PASSED = EvaluationStatus.PASSED
-LEADERBOARD = Path("LEADERBOARD.md")
-PLOT = Path("leaderboard.png")
 FAST_P = (1, 10, 30, 100)
 
 
-def load_all(root: Path = TRACES) -> list[Trace]:
+def load_all(root: Path) -> list[Trace]:
     """Every timed trace under root (CPU traces, with no latency, are left out)."""
     return [t for path in sorted(Path(root).glob("*/*.jsonl")) for t in read_traces(path)
             if not t.hardware.startswith("CPU")
             and (t.evaluation.status != PASSED or t.evaluation.performance and t.evaluation.performance.latency_ms)]
 
 
-def load_records(kind: str, root: Path = TRACES) -> list[SolutionRun]:
+def load_records(kind: str, root: Path) -> list[SolutionRun]:
     """Every `<kind>_<solution>.json` record under root (deploy, drift, stress), in path order."""
     return [parse(RECORDS[kind], read_json(path), str(path)) for path in sorted(Path(root).glob(f"*/{kind}_*.json"))]
 
 
-def leaderboard(op: Operator, root: Path = TRACES) -> tuple[str, dict]:
-    """The leaderboard of everything recorded under root, in the operator's words: build() on its traces and
-    records."""
-    return build(load_all(root), op, deploy=load_records("deploy", root), drift=load_records("drift", root),
-                 stress=load_records("stress", root))
+def leaderboard(op: Operator, project: Project, root: Path | None = None) -> tuple[str, dict]:
+    """The leaderboard of everything recorded under root (default: the project's traces/), in the operator's
+    words: build() on its traces and records, against the project's solutions as they are now."""
+    root = project.traces if root is None else root
+    traces, records = load_all(root), {kind: load_records(kind, root) for kind in ("deploy", "drift", "stress")}
+    current = current_hashes([*traces, *(r for rs in records.values() for r in rs)], project)
+    return build(traces, op, current, **records)
 
 
 def _batch(t: Trace) -> int:
@@ -91,13 +92,14 @@ def isolation_state(traces: list[Trace]) -> str:
     return "bwrap" if states == {"bwrap"} else "; ".join(sorted(s if s == "bwrap" else s.upper() for s in states))
 
 
-def current_hashes(traces: list[Trace | SolutionRun]) -> dict[str, str | None]:
-    """(definition, solution) -> the sha256 of the solution's sources now (None when it no longer loads)."""
+def current_hashes(traces: list[Trace | SolutionRun], project: Project) -> dict[str, str | None]:
+    """(definition, solution) -> the sha256 of the project's solution's sources now (None when it no longer
+    loads)."""
     out = {}
     for definition, solution in {(t.definition, t.solution) for t in traces}:
         try:
-            defn = find_definition(definition)
-            out[definition, solution] = source_sha256(load_solution(solution, defn), defn)
+            defn = find_definition(definition, project.definitions)
+            out[definition, solution] = source_sha256(load_solution(solution, defn, project.solutions), defn)
         except HarnessError:
             out[definition, solution] = None
     return out
@@ -217,12 +219,11 @@ def _hardware_tables(hardware: str, ts: list[Trace], definition: str, current: d
                                     op.WORDING.score_label], tablefmt="github", disable_numparse=True), ""]
 
 
-def build(traces: list[Trace], op: Operator, current: dict | None = None, deploy: list[DeployRecord] = (),
+def build(traces: list[Trace], op: Operator, current: dict, deploy: list[DeployRecord] = (),
           drift: list[DriftRecord] = (), stress: list[StressRecord] = ()) -> tuple[str, dict]:
     """The leaderboard's markdown and the plot's series {solution: [(batch, median latency ms)]} (+ 'floor'), from
     the traces and the deploy and drift records, in the words of the operator `op`. `current` maps (definition,
-    solution) to its sources' hash now (default: read from the repository)."""
-    current = current_hashes([*traces, *deploy, *drift, *stress]) if current is None else current
+    solution) to its sources' hash now (current_hashes)."""
     by_def = defaultdict(list)
     for t in traces:
         by_def[t.definition].append(t)
@@ -243,7 +244,7 @@ def build(traces: list[Trace], op: Operator, current: dict | None = None, deploy
         # the plot shows the hardware with the most solutions on it; every hardware gets tables of its own, since a
         # latency, a floor or a speedup means something only beside others measured on the same card
         plotted = max(by_hardware, key=lambda h: (len({t.solution for t in by_hardware[h]}), len(by_hardware[h]), h))
-        parts += [f"## {definition}", "", f"![latency against batch size on {plotted}]({PLOT.as_posix()})", ""]
+        parts += [f"## {definition}", "", f"![latency against batch size on {plotted}]({PLOT_FILE})", ""]
         for hardware in sorted(by_hardware, key=lambda h: (h != plotted, h)):
             parts += _hardware_tables(hardware, by_hardware[hardware], definition, current, op,
                                       series if hardware == plotted else {})
@@ -259,16 +260,16 @@ def build(traces: list[Trace], op: Operator, current: dict | None = None, deploy
     return "\n".join(parts), series
 
 
-def ci_report(defn, cpu_root: Path, root: Path = TRACES, solutions_root: str | Path = "solutions") -> str:
+def ci_report(defn, cpu_root: Path, project: Project, root: Path | None = None) -> str:
     """What CI says about every solution folder: its verdict on the CPU (from the traces a CPU run of
     `harness.run` wrote under cpu_root; a CUDA solution is skipped there, a folder that does not load is a
     COMPILE_ERROR), its committed GPU standing, and whether it waits for a GPU run (no GPU traces, or traces of
-    other sources than it has now)."""
-    gpu = [t for t in load_all(root) if t.definition == defn.name]
+    other sources than it has now). The GPU traces are those under root (default: the project's traces/)."""
+    gpu = [t for t in load_all(project.traces if root is None else root) if t.definition == defn.name]
     verdicts, standings, pending = [], [], []
-    for name in discover(defn, solutions_root):
+    for name in discover(defn, project.solutions):
         try:
-            sol = load_solution(name, defn, solutions_root)
+            sol = load_solution(name, defn, project.solutions)
         except HarnessError as e:
             verdicts.append([name, "-", f"{EvaluationStatus.COMPILE_ERROR}: {' '.join(str(e).split())[:120]}"])
             pending.append([name, "does not load"])
@@ -307,7 +308,7 @@ def ci_report(defn, cpu_root: Path, root: Path = TRACES, solutions_root: str | P
     return "\n".join(parts)
 
 
-def plot(series: dict, batch_unit: str, path: Path = PLOT) -> None:
+def plot(series: dict, batch_unit: str, path: Path) -> None:
     """The latencies against the batch size, whose unit (the programs of one batch element) the operator names."""
     import matplotlib
     matplotlib.use("Agg")
@@ -336,9 +337,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = cli.description(__doc__)
     p.epilog = cli.epilog("(--check) the committed LEADERBOARD.md differs from what the traces give")
     p.add_argument("--check", action="store_true", help="exit 1 if LEADERBOARD.md is stale; write nothing")
-    cli.add_traces(p, str(TRACES), help="the traces to read (default: %(default)s)")
-    p.add_argument("--out", metavar="DIR", help="where LEADERBOARD.md and its plot go (default: the repository "
-                                                "root for the default traces, else the traces folder itself)")
+    cli.add_definition(p)
+    cli.add_traces(p, help="the traces to read (default: the project's traces/)")
+    p.add_argument("--out", metavar="DIR", help="where LEADERBOARD.md and its plot go (default: the project's root "
+                                                "for its own traces, else the traces folder itself)")
     p.add_argument("--force", action="store_true",
                    help="replace a leaderboard that has GPU results with one that has none")
     p.add_argument("--ci-report", metavar="FILE",
@@ -352,13 +354,14 @@ def main(argv=None) -> int:
 
 
 def execute(args: argparse.Namespace) -> int:
-    traces_root = Path(args.traces)
-    out = Path(args.out) if args.out else Path(".") if traces_root.resolve() == TRACES.resolve() else traces_root
-    board, picture = out / LEADERBOARD.name, out / PLOT.name
     try:
-        defn = default_definition()
+        project = cli.project_of(args)
+        traces_root = Path(args.traces).resolve() if args.traces else project.traces
+        out = Path(args.out) if args.out else project.root if traces_root == project.traces else traces_root
+        board, picture = out / LEADERBOARD_FILE, out / PLOT_FILE
+        defn = project_definition(project, args.definition)
         op = load_op(defn.op_type)
-        text, series = leaderboard(op, traces_root)
+        text, series = leaderboard(op, project, traces_root)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -367,7 +370,7 @@ def execute(args: argparse.Namespace) -> int:
             print("error: --ci-report needs --cpu-traces DIR", file=sys.stderr)
             return 2
         try:
-            text = ci_report(defn, Path(args.cpu_traces), traces_root)
+            text = ci_report(defn, Path(args.cpu_traces), project, traces_root)
         except HarnessError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -18,7 +18,7 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from harness import HarnessError, cli, sandbox, timing, traces
-from harness.definition import find_definition
+from harness.definition import project_definition
 from harness.ops import Operator, load_op
 from harness.runner import (COMPILE_ERROR, INCORRECT_DTYPE, INCORRECT_NUMERICAL, INCORRECT_SHAPE, PASSED,
                             RUNTIME_ERROR, TIMEOUT, Calibration, Result, evaluate)
@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-seed", type=int, metavar="N",
                    help="draw this run's fresh inputs and timing programs from seed N (default: a random seed, "
                         "recorded in the traces), to reproduce a run")
-    cli.add_traces(p, None, help="write FlashInfer-bench traces under DIR (default: traces/ when timed on a GPU; "
-                                 "CPU runs write none unless given)")
+    cli.add_traces(p, help="write FlashInfer-bench traces under DIR (default: the project's traces/ when timed on a "
+                           "GPU; CPU runs write none unless given)")
     p.add_argument("--no-traces", action="store_true", help="write no traces")
     p.add_argument("--seed", type=int, metavar="N",
                    help="judge on fresh inputs: the chosen workloads drawn anew from base seed N (blobs in a "
@@ -132,26 +132,29 @@ def main(argv=None) -> int:
 def execute(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
-        defn = find_definition(args.definition)
+        project = cli.project_of(args)
+        settings = cli.settings_of(args)
+        defn = project_definition(project, args.definition)
         op = load_op(defn.op_type)
         solutions, unloadable = [], []
-        for name in args.solutions or discover(defn):
+        for name in args.solutions or discover(defn, project.solutions):
             try:
-                solutions.append(load_solution(name, defn))
+                solutions.append(load_solution(name, defn, project.solutions))
             except SolutionError as e:
                 if args.solutions:          # named on the command line: bad input
                     raise
                 unloadable.append((name, str(e)))   # found in solutions/: one status line, the others still run
         batch_sizes = args.batch_sizes or (CPU_BATCH_SIZES if device == "cpu" and not args.workloads else None)
-        workloads = select(load_workloads(defn, args.workloads), batch_sizes, args.families)
+        workloads = select(load_workloads(defn, args.workloads or project.workload_file(defn)), batch_sizes,
+                           args.families)
         fresh = tempfile.TemporaryDirectory(prefix="harness_seed_") if args.seed is not None else None
-        root = fresh.name if fresh else "."
+        root = Path(fresh.name) if fresh else project.root
         if fresh:
-            workloads = [make_workload(defn, w.family, w.axes, args.seed, root, device, w.params)
+            workloads = [make_workload(defn, w.family, w.axes, args.seed, root=root, device=device, params=w.params)
                          for w in workloads]
         timed = device == "cuda" and not fresh
         trace_root = (None if args.no_traces or fresh else Path(args.traces) if args.traces
-                      else traces.TRACES if timed and not args.workloads else None)
+                      else project.traces if timed and not args.workloads else None)
         for name in [REFERENCE, *(s.name for s in solutions)] if trace_root is not None else ():
             traces.load_traces(defn.name, name, trace_root)     # a malformed trace file stops the run before it starts
     except HarnessError as e:
@@ -175,10 +178,12 @@ def execute(args: argparse.Namespace) -> int:
         reference_ms = {w.uuid: recorded.get(w.uuid) for w in workloads}
         if None in reference_ms.values():
             print("timing the reference too, for the speedups", flush=True)
-            solutions.insert(0, load_solution(REFERENCE, defn))
+            solutions.insert(0, load_solution(REFERENCE, defn, project.solutions))
     # one copy rate for the whole run, so that every solution's floor in it is the same
-    bandwidth = timing.copy_bandwidth(device) if timed else None
-    calibration = Calibration(defn, device, args.timeout, [Path(root).resolve(), Path.cwd()]) if timed else None
+    if timed and settings.bandwidth is None:
+        settings = settings.replace(bandwidth=timing.copy_bandwidth(device))
+    hidden = [root, project.root]
+    calibration = Calibration(defn, device, settings, hidden) if timed else None
     results: list[Result] = []
     for sol in solutions:
         todo = workloads
@@ -189,7 +194,7 @@ def execute(args: argparse.Namespace) -> int:
             env["gpu_other_processes"] = others
             if others:
                 print(f"WARNING: other processes use the GPU while {sol.name} is timed: {others}", flush=True)
-        done = evaluate(defn, sol, todo, device, args.timeout, timed=timed, bandwidth=bandwidth, root=root,
+        done = evaluate(defn, sol, todo, device, root=root, settings=settings, hide=(project.root,), timed=timed,
                         run_seed=run_seed, keep_going=args.keep_going, calibration=calibration,
                         on_result=_progress(sol.name, len(todo), op.WORDING.score_label))
         if sol.name == REFERENCE:

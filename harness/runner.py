@@ -25,6 +25,7 @@ import torch
 from harness import HarnessError, sandbox, timing, wire
 from harness.definition import Definition
 from harness.ops import Verdict, load_op
+from harness.project import Settings
 from harness.records import EvaluationStatus
 from harness.solutions import Solution, null_solution
 from harness.workloads import Workload, generate_tensors, load_inputs
@@ -216,15 +217,16 @@ def fresh_seed(run_seed: int, w: Workload) -> int:
     return int.from_bytes(hashlib.sha256(f"{run_seed}/{w.uuid}".encode()).digest()[:7], "little")
 
 
-def pool_axes(defn: Definition, w: Workload, timed: bool) -> tuple[dict, int, int]:
-    """The var axes of a workload's fresh pool, its programs per call and the pool's programs: when timed, the var
-    axis of the program axes scaled so that the pool holds at least POOL_PROGRAMS."""
+def pool_axes(defn: Definition, w: Workload, least: int) -> tuple[dict, int, int]:
+    """The var axes of a workload's fresh pool, its programs per call and the pool's programs: the var axis of the
+    program axes scaled so that the pool holds at least `least` programs (Settings.pool_programs when timed, else
+    1: one call's worth)."""
     _, n_prefix = program_layout(defn)
     prefix = defn.outputs[next(iter(defn.outputs))].shape[:n_prefix]
     axes = defn.resolve_axes(w.axes)
     n_programs = math.prod(axes[a] for a in prefix)
     var = next((a for a in prefix if a in w.axes), None)
-    scale = math.ceil(timing.POOL_PROGRAMS / n_programs) if timed and var else 1
+    scale = math.ceil(least / n_programs) if var else 1
     return {**w.axes, **({var: w.axes[var] * scale} if var else {})}, n_programs, n_programs * scale
 
 
@@ -232,10 +234,10 @@ class Programs:
     """A workload's fresh pool of programs, drawn from the run's seed (pool_axes). `first()` is one call's inputs
     from it; `calls(...)` those of timed calls (timing.call_inputs)."""
 
-    def __init__(self, defn: Definition, w: Workload, seed: int, device: str, timed: bool):
+    def __init__(self, defn: Definition, w: Workload, seed: int, device: str, least: int):
         batched, self.n_prefix = program_layout(defn)
         self.batched = set(batched)
-        var_axes, self.n_programs, self.pool_programs = pool_axes(defn, w, timed)
+        var_axes, self.n_programs, self.pool_programs = pool_axes(defn, w, least)
         self.pool = generate_tensors(defn, w.family, var_axes, seed, device, w.params)
         self.unit = defn.shape(defn.inputs[batched[0]], defn.resolve_axes(w.axes))[:self.n_prefix]
         self.flat = {k: timing.flat_programs(v, self.n_prefix) if k in self.batched else v
@@ -259,10 +261,8 @@ class Calibration:
     is the loop's overhead, which the clock check subtracts. Measured before the solution's worker starts, so that
     no solution process exists to slow it down."""
 
-    REPEATS = 3
-
-    def __init__(self, defn: Definition, device: str, timeout_s: float, hide: list[Path]):
-        self.defn, self.device, self.timeout_s, self.hide = defn, device, timeout_s, hide
+    def __init__(self, defn: Definition, device: str, settings: Settings, hide: list[Path]):
+        self.defn, self.device, self.settings, self.hide = defn, device, settings, hide
         self.walls: dict[tuple, tuple[float, float]] = {}
         self.loops: dict[tuple, object] = {}
         self.worker: Worker | None = None
@@ -271,7 +271,8 @@ class Calibration:
                 pool_programs: int) -> None:
         key = _key(axes, n_calls, pool_programs)
         if self.worker is None:
-            self.worker = Worker(null_solution(self.defn), self.defn, self.device, self.timeout_s, self.hide)
+            self.worker = Worker(null_solution(self.defn), self.defn, self.device, self.settings.timeout_s,
+                                 self.hide)
         n_programs = math.prod(pristine[batched[0]].shape[:n_prefix])
         rows = torch.arange(pool_programs, device=next(iter(pristine.values())).device) % n_programs
         pool = {k: (timing.flat_programs(v, n_prefix).index_select(0, rows).reshape(-1, *v.shape[1:])
@@ -279,7 +280,8 @@ class Calibration:
                 for k, v in pristine.items()}
         walls, calls = [], []
         for status, log, _ in _timed_loop(op, self.worker, pristine, pool, axes, batched, n_prefix, n_calls,
-                                          n_programs, pool_programs, self.REPEATS, walls):
+                                          n_programs, pool_programs, self.settings.calibration_repeats,
+                                          self.settings.warmup_replays, walls):
             if status != "ok":
                 raise HarnessError(f"the null worker failed its timed loop: {log}")
             self.loops[key] = log.get("loop_ms")
@@ -300,11 +302,12 @@ def _key(axes: dict, n_calls: int, pool_programs: int) -> tuple:
 
 
 def _timed_loop(op, worker: Worker, warm: dict, pool: dict, axes: dict, batched, n_prefix: int, n_calls: int,
-                n_programs: int, pool_programs: int, repeats: int, walls: list):
+                n_programs: int, pool_programs: int, repeats: int, warmup_replays: int, walls: list):
     """Yields (status, header or log, (index, variants)) per repeat of the worker's timed loop (timing.draw_calls
     of the seed sent); appends each wall time (ms) from sending the seed to receiving the reply to `walls`."""
     status, log, _ = worker.request({"op": "time_prepare", "axes": axes, "batched": list(batched),
-                                     "n_prefix": n_prefix, "n_calls": n_calls}, warm, "capturing")
+                                     "n_prefix": n_prefix, "n_calls": n_calls, "warmup_replays": warmup_replays},
+                                    warm, "capturing")
     if status == "ok":
         status, log, _ = worker.request({"op": "time_pool"}, pool, "loading the pool")
     if status != "ok":
@@ -324,28 +327,30 @@ def _timed_loop(op, worker: Worker, warm: dict, pool: dict, axes: dict, batched,
         yield status, header, timing.draw_calls(n_calls, n_programs, pool_programs, seed, op, axes, device)
 
 
-def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device: str, timeout_s: float = 300.0,
+def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device: str, *, root: str | Path,
+             settings: Settings = Settings(), hide: tuple[Path, ...] = (),
              on_result: Callable[[Result], None] = lambda r: None, timed: bool | None = None,
-             bandwidth: float | None = None, root: str | Path = ".", run_seed: int | None = None,
-             keep_going: bool = False, calibration: Calibration | None = None) -> list[Result]:
+             run_seed: int | None = None, keep_going: bool = False,
+             calibration: Calibration | None = None) -> list[Result]:
     """Judge one solution on each workload, on its committed inputs and on fresh inputs drawn from `run_seed` (a
     fresh random seed when None); on a GPU, time the ones that pass on fresh inputs, every timed call judged, each
-    against the memory floor at `bandwidth` (bytes/s; measured now if not given). The blobs are under `root`."""
+    against the memory floor at settings.bandwidth (bytes/s; measured now if not set). The blobs are under `root`;
+    the solution's worker sees neither `root` nor the folders in `hide` (the project's)."""
     timed = device == "cuda" if timed is None else timed
-    if timed and bandwidth is None:
-        bandwidth = timing.copy_bandwidth(device)
+    if timed and settings.bandwidth is None:
+        settings = settings.replace(bandwidth=timing.copy_bandwidth(device))
     run_seed = int.from_bytes(os.urandom(7), "little") if run_seed is None else run_seed
     op = load_op(defn.op_type)
-    hide = [Path(root).resolve(), Path.cwd()]
+    hide = [Path(root).resolve(), *(Path(h).resolve() for h in hide)]
     own_calibration = timed and calibration is None
     if own_calibration:
-        calibration = Calibration(defn, device, timeout_s, hide)
-    worker = Worker(sol, defn, device, timeout_s, hide)
+        calibration = Calibration(defn, device, settings, hide)
+    worker = Worker(sol, defn, device, settings.timeout_s, hide)
     results, stopped = [], None
     try:
         if timed:
             try:
-                _calibrate(defn, op, calibration, workloads, device, root)
+                _calibrate(defn, op, calibration, workloads, device, root, settings)
             except HarnessError as e:           # no overhead to check a clock against: no figure can be trusted
                 timed, stopped = False, (RUNTIME_ERROR, f"not timed: {e}"[:400])
         for w in workloads:
@@ -354,7 +359,7 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
                 result.status, result.log = stopped
             else:
                 try:
-                    _evaluate_one(defn, op, worker, w, device, root, run_seed, timed, bandwidth, calibration, result)
+                    _evaluate_one(defn, op, worker, w, device, root, run_seed, timed, settings, calibration, result)
                 except torch.OutOfMemoryError as e:     # the harness's own share (inputs, checks) did not fit
                     result.status, result.log = RUNTIME_ERROR, ("the harness ran out of device memory on this "
                                                                 f"workload: {str(e).splitlines()[0]}")[:400]
@@ -373,24 +378,25 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
     return results
 
 
-def _calibrate(defn, op, calibration: Calibration, workloads, device, root) -> None:
+def _calibrate(defn, op, calibration: Calibration, workloads, device, root, settings: Settings) -> None:
     batched, n_prefix = program_layout(defn)
     for w in workloads:
         axes = defn.resolve_axes(w.axes)
-        _, n_programs, pool_programs = pool_axes(defn, w, timed=True)
-        if _key(axes, timing.timed_calls(n_programs), pool_programs) in calibration.walls:
+        _, n_programs, pool_programs = pool_axes(defn, w, settings.pool_programs)
+        n_calls = settings.timed_calls(n_programs)
+        if _key(axes, n_calls, pool_programs) in calibration.walls:
             continue                        # this shape was measured for an earlier workload or solution
         try:
-            pristine = load_inputs(defn, w, device, root)
+            pristine = load_inputs(defn, w, device, root=root)
         except (HarnessError, torch.OutOfMemoryError):
             continue                        # reported as that workload's error
-        calibration.measure(op, pristine, axes, batched, n_prefix, timing.timed_calls(n_programs), pool_programs)
+        calibration.measure(op, pristine, axes, batched, n_prefix, n_calls, pool_programs)
 
 
 def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_seed: int, timed: bool,
-                  bandwidth, calibration, result: Result) -> None:
+                  settings: Settings, calibration, result: Result) -> None:
     try:
-        pristine = load_inputs(defn, w, device, root)
+        pristine = load_inputs(defn, w, device, root=root)
     except HarnessError as e:
         result.status, result.log = RUNTIME_ERROR, f"workload: {e}"
         return
@@ -398,10 +404,10 @@ def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_
     if result.status != PASSED:
         return
     result.fresh_seed = fresh_seed(run_seed, w)
-    programs = Programs(defn, w, result.fresh_seed, device, timed)
+    programs = Programs(defn, w, result.fresh_seed, device, settings.pool_programs if timed else 1)
     _judge_one(defn, op, worker, programs.first(), result, "fresh inputs: ")
     if result.status == PASSED and timed:
-        _time_one(defn, op, worker, pristine, programs, result, bandwidth, calibration)
+        _time_one(defn, op, worker, pristine, programs, result, settings, calibration)
 
 
 def judge_call(defn, op, worker: Worker, inputs: dict, var_axes: dict) -> tuple[str, str, Verdict | None]:
@@ -432,16 +438,17 @@ def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: s
         result.status, result.log = status, what + log
 
 
-def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, result: Result, bandwidth: float,
+def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, result: Result, settings: Settings,
               calibration: Calibration) -> None:
     """Time the solution on fresh programs, judge every timed call's outputs, and refuse a median that the
     harness's clock or the memory floor contradicts."""
     axes = defn.resolve_axes(result.workload.axes)
     batched, n_prefix = program_layout(defn)
-    n, n_calls = programs.n_programs, timing.timed_calls(programs.n_programs)
+    n, n_calls = programs.n_programs, settings.timed_calls(programs.n_programs)
     walls: list[float] = []
     [(status, header, drawn)] = list(_timed_loop(op, worker, pristine, programs.pool, axes, batched, n_prefix,
-                                                 n_calls, n, programs.pool_programs, 1, walls))
+                                                 n_calls, n, programs.pool_programs, 1, settings.warmup_replays,
+                                                 walls))
     if status != "ok":
         result.status, result.log = status, f"while timing: {header}"
         return
@@ -483,7 +490,7 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
         result.status, result.log = RUNTIME_ERROR, f"timing refused: {refused}"
         return
     result.latency_ms = statistics.median(latencies)
-    result.floor_ms = floor_ms(defn, axes, bandwidth)
+    result.floor_ms = floor_ms(defn, axes, settings.bandwidth)
     if result.latency_ms < timing.IMPOSSIBLE_FRACTION * result.floor_ms:
         result.status = RUNTIME_ERROR
         result.log = (f"median {result.latency_ms * 1e3:.1f} us is below {timing.IMPOSSIBLE_FRACTION}x the memory "

@@ -88,7 +88,8 @@ def parse_solution(raw, where: str, folder: Path) -> Solution:
                     tuple(s.path for s in record.sources), record.description or "", folder, record)
 
 
-def load_solution(name: str, defn: Definition, root: str | Path = "solutions") -> Solution:
+def load_solution(name: str, defn: Definition, root: str | Path) -> Solution:
+    """The solution `name` (a folder under `root`, a project's solutions/, or "reference"), its record checked."""
     if name == REFERENCE:
         return reference_solution(defn)
     folder = Path(root) / name
@@ -102,8 +103,8 @@ def load_solution(name: str, defn: Definition, root: str | Path = "solutions") -
     return sol
 
 
-def discover(defn: Definition, root: str | Path = "solutions") -> list[str]:
-    """Names of the solutions for `defn`: the reference first, then the folders, sorted."""
+def discover(defn: Definition, root: str | Path) -> list[str]:
+    """Names of the solutions for `defn`: the reference first, then the folders under `root`, sorted."""
     names = []
     for p in sorted(Path(root).glob("*/solution.json")):
         try:

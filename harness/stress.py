@@ -6,10 +6,11 @@ PROGRAM_GRAMMAR (one option of every named axis per program; programs past the d
 of every axis) and CALL_GRAMMAR, with a seed for the values. The solution runs in its sandboxed worker and is judged
 as `harness.run` judges it (same loader, runner, timeouts and judge). Hypothesis drives the search: it shrinks a
 failing example towards the fewest programs off their plainest options (it may leave plain programs before
-the one that fails: they are the same as the programs past the list), keeps failing examples in
+the one that fails: they are the same as the programs past the list), keeps failing examples in the project's
 .hypothesis/ and tries them first next time. Each distinct failure is printed as one line and written as a
 reproducer workload that `python -m harness.run --solution NAME --workloads FILE` replays. Exits 1 on any failure,
-2 on bad input. --record writes the outcome to <traces>/<definition>/stress_<NAME>.json for the leaderboard."""
+2 on bad input. --record writes the outcome to <traces>/<definition>/stress_<NAME>.json for the leaderboard (traces:
+the project's traces/ unless --traces is given)."""
 from __future__ import annotations
 
 import argparse
@@ -26,16 +27,15 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from harness import HarnessError, cli, traces
 from harness.cli import resolve_device
-from harness.definition import Definition, find_definition
+from harness.definition import Definition, project_definition
 from harness.ops import load_op
+from harness.project import Project
 from harness.records import StressRecord
 from harness.runner import COMPILE_ERROR, PASSED, Worker, judge_call, program_layout
 from harness.solutions import load_solution
 from harness.workloads import generate_tensors, save_workloads, write_workload
 
 DEFAULT_EXAMPLES = 100
-FAILURES = Path("stress_failures")
-DATABASE = Path(".hypothesis") / "stress"
 
 
 class Failure(Exception):
@@ -87,10 +87,10 @@ class Search:
     """The search over one solution: its worker, the examples tried and the distinct failures found."""
 
     def __init__(self, defn: Definition, solution: str, device: str, batch_size: int, timeout_s: float,
-                 solutions_root: str | Path = "solutions"):
-        self.defn, self.device = defn, device
+                 project: Project, solutions_root: str | Path | None = None):
+        self.defn, self.device, self.project = defn, device, project
         self.op = load_op(defn.op_type)
-        self.sol = load_solution(solution, defn, solutions_root)
+        self.sol = load_solution(solution, defn, solutions_root or project.solutions)
         self.var_axes = {"batch_size": batch_size}
         _, n_prefix = program_layout(defn)
         out = next(iter(defn.outputs.values()))
@@ -98,7 +98,7 @@ class Search:
         self.n_programs = 1
         for a in out.shape[:n_prefix]:
             self.n_programs *= axes[a]
-        self.worker = Worker(self.sol, defn, device, timeout_s, hide=[Path.cwd()])
+        self.worker = Worker(self.sol, defn, device, timeout_s, hide=[project.root])
         self.calls = 0
 
     def inputs(self, example: dict) -> dict:
@@ -140,12 +140,16 @@ class Search:
         return []
 
     def reproducer(self, failure: Failure, folder: Path) -> Path:
-        """Write the failing example as a one-line workload file (and its blob) under folder; its path."""
+        """Write the failing example as a one-line workload file (and its blob) under folder; its path. The blob's
+        path in the line is relative to the project's root (as harness.run reads it), absolute outside it."""
         params = params_of(self.op, failure.example)
         digest = hashlib.sha256(json.dumps([params, failure.example["seed"]], sort_keys=True).encode()).hexdigest()
         stem = f"{self.op.STRESS_FAMILY}_{digest[:12]}"
+        blob = Path(folder).resolve() / f"{stem}.safetensors"
+        if blob.is_relative_to(self.project.root):
+            blob = blob.relative_to(self.project.root)
         workload = write_workload(self.defn, self.op.STRESS_FAMILY, self.var_axes, failure.example["seed"],
-                                  str(folder / f"{stem}.safetensors"), params)
+                                  blob.as_posix(), params, root=self.project.root)
         path = folder / f"{stem}.jsonl"
         save_workloads(path, [workload])
         return path
@@ -168,19 +172,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="examples to try before shrinking (default: %(default)s)")
     p.add_argument("--seed", type=int, metavar="N",
                    help="the search's seed, to repeat a search exactly (default: random, after replaying the "
-                        "failures that earlier searches kept in .hypothesis/)")
+                        "failures that earlier searches kept in the project's .hypothesis/)")
     cli.add_device(p)
     cli.add_batch_size(p, 1, help="sequences per example")
     cli.add_definition(p)
     cli.add_solutions_dir(p)
     cli.add_timeout(p)
-    p.add_argument("--out", default=str(FAILURES), metavar="DIR",
-                   help="folder of the reproducers, one sub-folder per solution (default: %(default)s)")
+    p.add_argument("--out", metavar="DIR",
+                   help="folder of the reproducers, one sub-folder per solution (default: the project's "
+                        "stress_failures/)")
     p.add_argument("--no-database", action="store_true",
-                   help="neither replay nor keep failing examples in .hypothesis/")
+                   help="neither replay nor keep failing examples in the project's .hypothesis/")
     p.add_argument("--record", action="store_true",
                    help="write the outcome to <traces>/<definition>/stress_<NAME>.json (read by harness.report)")
-    cli.add_traces(p, str(traces.TRACES), help="root of --record's file (default: %(default)s)")
+    cli.add_traces(p, help="root of --record's file (default: the project's traces/)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -194,8 +199,10 @@ def main(argv=None) -> int:
 def execute(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
-        defn = find_definition(args.definition)
-        search = Search(defn, args.solution, device, args.batch_size, args.timeout, args.solutions)
+        project = cli.project_of(args)
+        defn = project_definition(project, args.definition)
+        search = Search(defn, args.solution, device, args.batch_size, cli.settings_of(args).timeout_s, project,
+                        args.solutions)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -203,7 +210,7 @@ def execute(args: argparse.Namespace) -> int:
     print(f"{name}: searching {args.examples} examples of {search.n_programs} programs (batch_size="
           f"{args.batch_size}) on {device}, " + (f"seed {args.seed}" if args.seed is not None else "random seed"),
           flush=True)
-    database = None if args.no_database or args.seed is not None else DATABASE / defn.name / name
+    database = None if args.no_database or args.seed is not None else project.stress_database / defn.name / name
     started = time.perf_counter()
     try:
         failures = search.run(args.examples, args.seed, database)
@@ -213,7 +220,7 @@ def execute(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     rows = []
     for f in failures:
-        path = search.reproducer(f, Path(args.out) / name)
+        path = search.reproducer(f, Path(args.out or project.stress_failures) / name)
         print(f"FAILED {f.status}: {' '.join(f.log.split())[:200]} | {describe(search.op, f.example)} | "
               f"replay: python -m harness.run --solution {name} --workloads {path}", flush=True)
         rows.append({"status": f.status, "log": f.log, search.op.WORDING.score_key: f.score,
@@ -226,7 +233,7 @@ def execute(args: argparse.Namespace) -> int:
                               batch_size=args.batch_size, seed=args.seed, hypothesis=hypothesis.__version__,
                               seconds=round(seconds, 1),
                               timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"), failures=rows)
-        path = Path(args.traces) / defn.name / f"stress_{name}.json"
+        path = Path(args.traces or project.traces) / defn.name / f"stress_{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
         print(f"wrote {path}")

@@ -35,25 +35,16 @@ from typing import Callable
 import torch
 
 INPUT_SETS = 4
-WARMUP_REPLAYS = 3              # untimed replays of each graph before the timed loop
-MIN_CALLS, MAX_CALLS = 20, 400  # timed calls per workload: enough programs, and loop time for the clock check
-TIMED_PROGRAMS = 1 << 17
-POOL_PROGRAMS = 2048            # the fewest programs a pool holds: small batches draw from a larger fresh pool
 CLOCK_TOLERANCE = 0.10          # the median may fall this far below the mean the harness's clock allows ...
 CLOCK_SLACK_MS = 1.0            # ... after this much of the loop's wall time is set aside as noise
 # ... and this much a call: the loop's preparation of the next call ran 5-17 us slower (H200, any batch size) after
 # an honest kernel than after the null call, which writes the same outputs; the cause was not isolated
 CLOCK_SLACK_PER_CALL_MS = 0.030
 IMPOSSIBLE_FRACTION = 0.9       # a median below this fraction of the memory floor cannot be real
-REPLAY_WARMUP, REPLAY_CALLS = 5, 50     # time_replays (the deployment benchmark): warm-up, then timed calls
 
 
 class NotCapturable(Exception):
     pass
-
-
-def timed_calls(n_programs: int) -> int:
-    return min(MAX_CALLS, max(MIN_CALLS, math.ceil(TIMED_PROGRAMS / n_programs)))
 
 
 def draw_calls(n_calls: int, n_programs: int, pool_programs: int, seed: int, op, axes: dict,
@@ -128,7 +119,8 @@ class TimedLoop:
     capture), then `load_pool`, `run(seed)` and `outputs_of(first, count)`. On the CPU (tests only) graphs are
     plain calls and the clock is time.perf_counter."""
 
-    def __init__(self, call: Callable, warm: dict, axes: dict, batched: list[str], n_prefix: int, n_calls: int, op):
+    def __init__(self, call: Callable, warm: dict, axes: dict, batched: list[str], n_prefix: int, n_calls: int, op,
+                 warmup_replays: int):
         self.device = next(iter(warm.values())).device
         self.cuda = self.device.type == "cuda"
         self.axes, self.batched, self.n_prefix, self.n_calls, self.op = axes, set(batched), n_prefix, n_calls, op
@@ -147,7 +139,7 @@ class TimedLoop:
                 self.graphs.append(graph)
                 self.outputs.append(tuple(out))
             for graph in self.graphs:
-                for _ in range(WARMUP_REPLAYS):
+                for _ in range(warmup_replays):
                     graph.replay()
         for out in self.outputs:
             if any(type(t) is not torch.Tensor or t.device != self.device for t in out):
@@ -271,8 +263,8 @@ def clock_disagreement(latencies_ms: list[float], wall_ms: float, null_wall_ms: 
                        null_call_ms: float = 0.0) -> str | None:
     """Why the worker's median cannot be what its calls took (None when it can): below the mean per call that the
     harness's clock measured beyond the null loop (less CLOCK_SLACK_MS and CLOCK_SLACK_PER_CALL_MS a call for
-    noise), plus the null call's own median, by more than CLOCK_TOLERANCE. Work moved out of the timed region, a forged clock, or work piled onto a few calls
-    so that the median misses it all show up as this gap."""
+    noise), plus the null call's own median, by more than CLOCK_TOLERANCE. Work moved out of the timed region, a
+    forged clock, or work piled onto a few calls so that the median misses it all show up as this gap."""
     n = len(latencies_ms)
     allowed = (wall_ms - null_wall_ms - CLOCK_SLACK_MS) / n + null_call_ms - CLOCK_SLACK_PER_CALL_MS
     median = statistics.median(latencies_ms)

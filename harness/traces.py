@@ -1,4 +1,5 @@
-"""FlashInfer-bench Trace records: one JSON line per (solution, workload) in traces/<definition>/<solution>.jsonl."""
+"""FlashInfer-bench Trace records: one JSON line per (solution, workload) in <root>/<definition>/<solution>.jsonl, root
+being a project's traces/ (Project.traces) or any folder a command names."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,6 @@ import torch
 from harness.records import (Correctness, Environment, Evaluation, Performance, Trace, TraceWorkload, decode_json,
                              parse)
 from harness.runner import INCORRECT_NUMERICAL, PASSED, Result
-
-TRACES = Path("traces")
 
 
 def environment(device: str) -> dict:
@@ -49,7 +48,7 @@ def trace_record(r: Result, env: dict, reference_latency_ms: float | None, sourc
                  solution=r.solution, solution_sha256=source_sha256, evaluation=evaluation)
 
 
-def trace_path(definition: str, solution: str, root: Path = TRACES) -> Path:
+def trace_path(definition: str, solution: str, root: Path) -> Path:
     return Path(root) / definition / f"{solution}.jsonl"
 
 
@@ -59,18 +58,18 @@ def read_traces(path: Path) -> list[Trace]:
             for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
 
 
-def load_traces(definition: str, solution: str, root: Path = TRACES) -> list[Trace]:
+def load_traces(definition: str, solution: str, root: Path) -> list[Trace]:
     path = trace_path(definition, solution, root)
     return read_traces(path) if path.exists() else []
 
 
-def reference_latencies(definition: str, hardware: str, root: Path = TRACES) -> dict[str, float]:
+def reference_latencies(definition: str, hardware: str, root: Path) -> dict[str, float]:
     """{workload uuid: the reference's recorded latency (ms) on that hardware}, for the workloads it passed timed."""
     return {t.workload.uuid: t.evaluation.performance.latency_ms for t in load_traces(definition, "reference", root)
             if t.hardware == hardware and t.evaluation.status == PASSED and t.evaluation.performance.latency_ms}
 
 
-def write_traces(records: list[Trace], root: Path = TRACES) -> list[Path]:
+def write_traces(records: list[Trace], root: Path) -> list[Path]:
     """Merge records into their solutions' trace files: a record replaces the one of the same workload and
     hardware; the rest of the file stays. Lines are kept in a stable order (workload uuid, hardware)."""
     by_file: dict[Path, list[Trace]] = {}

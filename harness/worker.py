@@ -105,7 +105,7 @@ def serve(sock: socket.socket) -> None:
                 warm = {k: v.to(device) for k, v in tensors.items()}
                 # the loop poisons each call's outputs before it, outside the timed region
                 loop = timing.TimedLoop(functools.partial(fn, fill=False), warm, msg["axes"], msg["batched"],
-                                        msg["n_prefix"], msg["n_calls"], op)
+                                        msg["n_prefix"], msg["n_calls"], op, msg["warmup_replays"])
                 wire.send(sock, {"status": "ok"})
             elif request == "time_pool":
                 loop.load_pool(tensors)
@@ -129,11 +129,13 @@ def serve(sock: socket.socket) -> None:
                     flush_inplace = load_module(sol, deploy.DEPLOYMENT_SOURCE).flush_inplace
                 inputs = {k: v.to(device) for k, v in tensors.items()}
                 count, slots = inputs.pop("count"), inputs.pop("slots")
-                median, marginal, state = deploy.run_case(flush_inplace, op, inputs, count, slots, msg["in_graph"])
+                median, marginal, state = deploy.run_case(flush_inplace, op, inputs, count, slots, msg["in_graph"],
+                                                          msg["warmup"])
                 wire.send(sock, {"status": "ok", "median_ms": median, "marginal_ms": marginal},
                           {k: v.cpu() for k, v in state.items()})
             elif request == "deploy_empty":
-                wire.send(sock, {"status": "ok", "empty_graph_us": deploy.empty_graph_us(device)})
+                empty_us = deploy.empty_graph_us(device, msg["calls"], msg["warmup"])
+                wire.send(sock, {"status": "ok", "empty_graph_us": empty_us})
             else:
                 raise ValueError(f"unknown request {request!r}")
         except BaseException as e:  # noqa: BLE001 - reported as the workload's RUNTIME_ERROR

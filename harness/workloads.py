@@ -55,10 +55,6 @@ class Workload:
             mode="json", exclude=None if self.params else {"workload": {"params"}})
 
 
-def workloads_path(defn: Definition, root: str | Path = ".") -> Path:
-    return Path(root) / "workloads" / defn.op_type / f"{defn.name}.jsonl"
-
-
 def content_sha256(tensors: dict[str, torch.Tensor]) -> str:
     """Hash of names, dtypes, shapes and bytes: independent of the file format's layout."""
     h = hashlib.sha256()
@@ -74,19 +70,19 @@ def _seed(defn: Definition, family: str, var_axes: dict, base_seed: int) -> int:
     return int.from_bytes(hashlib.sha256(key).digest()[:4], "little")
 
 
-def make_workload(defn: Definition, family: str, var_axes: dict[str, int], base_seed: int = BASE_SEED,
-                  root: str | Path = ".", device="cpu", params: dict | None = None) -> Workload:
+def make_workload(defn: Definition, family: str, var_axes: dict[str, int], base_seed: int = BASE_SEED, *,
+                  root: str | Path, device="cpu", params: dict | None = None) -> Workload:
     """Generate one workload of the definition's set (its seed derived from the base seed), write its blob under
-    workloads/blob/ and return its line (with the blob's hash)."""
+    root/workloads/blob/ and return its line (with the blob's hash)."""
     stem = "_".join([family] + [f"{k}{v}" for k, v in var_axes.items()])
     return write_workload(defn, family, var_axes, _seed(defn, family, var_axes, base_seed),
-                          f"workloads/blob/{defn.name}/{stem}.safetensors", params, root, device)
+                          f"workloads/blob/{defn.name}/{stem}.safetensors", params, root=root, device=device)
 
 
 def write_workload(defn: Definition, family: str, var_axes: dict[str, int], seed: int, blob: str,
-                   params: dict | None = None, root: str | Path = ".", device="cpu") -> Workload:
-    """Generate the tensors of (family, var_axes, seed, params), write them to `blob` (relative to root) and return
-    the workload line."""
+                   params: dict | None = None, *, root: str | Path, device="cpu") -> Workload:
+    """Generate the tensors of (family, var_axes, seed, params), write them to `blob` (relative to root, the
+    project's root for a project's workloads) and return the workload line."""
     tensors = generate_tensors(defn, family, var_axes, seed, device, params)
     path = Path(root) / blob
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,8 +139,9 @@ def _parse_line(raw, defn: Definition, where: str) -> Workload:
                     w.family, w.seed, w.sha256, dict(w.params))
 
 
-def load_workloads(defn: Definition, path: str | Path | None = None) -> list[Workload]:
-    path = Path(path) if path is not None else workloads_path(defn)
+def load_workloads(defn: Definition, path: str | Path) -> list[Workload]:
+    """The workloads of a workload file (a project's is Project.workload_file(defn)), each line checked."""
+    path = Path(path)
     if not path.exists():
         raise WorkloadError(f"{path}: no workload file (write it with `python -m harness gen-workloads`)")
     workloads = []
@@ -157,9 +154,10 @@ def load_workloads(defn: Definition, path: str | Path | None = None) -> list[Wor
     return workloads
 
 
-def load_inputs(defn: Definition, w: Workload, device="cpu", root: str | Path = ".") -> dict[str, torch.Tensor]:
-    """A workload's input tensors on `device`, in definition order. A missing blob is generated from the recorded
-    seed; a blob (present or regenerated) whose contents differ from the recorded sha256 is an error."""
+def load_inputs(defn: Definition, w: Workload, device="cpu", *, root: str | Path) -> dict[str, torch.Tensor]:
+    """A workload's input tensors on `device`, in definition order, its blob under `root` (the project's root for
+    a project's workloads). A missing blob is generated from the recorded seed; a blob (present or regenerated)
+    whose contents differ from the recorded sha256 is an error."""
     path = Path(root) / w.blob
     if path.exists():
         try:

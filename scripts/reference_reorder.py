@@ -1,7 +1,7 @@
 """How much of the criterion's 1% margin the reference itself uses up: the definition's reference code, changed only
 in the order of its fp32 operations (or made more precise), judged against the unchanged reference by the harness's
-own judge, on the committed workloads. From the repository root (so that this checkout's harness is the one
-imported):
+own judge, on the project's committed workloads (--project, else found as every command finds it). From the
+repository root (so that this checkout's harness is the one imported):
 
     python -m scripts.reference_reorder --device cuda --batch-sizes 256,512 --families edge,second_window
     python -m scripts.reference_reorder --device cuda --batch-sizes 256,512 --seed 1     # fresh inputs, base seed 1
@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from harness import HarnessError, cli
-from harness.definition import default_definition
+from harness.definition import project_definition
 from harness.ops import load_op
 from harness.workloads import load_inputs, load_workloads, make_workload, select
 
@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cli.add_batch_sizes(p, default=(256, 512), help="comma-separated batch sizes (default: 256,512)")
     cli.add_families(p)
     p.add_argument("--seed", type=int, metavar="N", help="the chosen workloads drawn anew from base seed N")
+    cli.add_definition(p)
 
 
 def main(argv=None) -> int:
@@ -58,15 +59,16 @@ def main(argv=None) -> int:
     args = cli.parse(add_arguments, "python -m scripts.reference_reorder", argv)
     try:
         device = cli.resolve_device(args.device)
-        defn = default_definition()
+        project = cli.project_of(args)
+        defn = project_definition(project, args.definition)
         op = load_op(defn.op_type)
         reference = defn.reference_run()
         runs = {name: variant_run(defn.reference, edits, name) for name, edits in VARIANTS.items()}
-        chosen = select(load_workloads(defn), args.batch_sizes, args.families)
+        chosen = select(load_workloads(defn, project.workload_file(defn)), args.batch_sizes, args.families)
         fresh = tempfile.TemporaryDirectory(prefix="reference_reorder_") if args.seed is not None else None
-        root = fresh.name if fresh else "."
+        root = fresh.name if fresh else project.root
         if fresh:
-            chosen = [make_workload(defn, w.family, w.axes, args.seed, root, device) for w in chosen]
+            chosen = [make_workload(defn, w.family, w.axes, args.seed, root=root, device=device) for w in chosen]
     except (HarnessError, SystemExit) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
     print(f"{'family':14s} {'B':>4s}  {'variant':28s} {op.WORDING.score_label:>16s}  verdict")
     failed = 0
     for w in chosen:
-        inputs = load_inputs(defn, w, device, root)
+        inputs = load_inputs(defn, w, device, root=root)
         ref_out = reference(**inputs)
         for name, run in runs.items():
             outputs = [t.to(dt) for t, dt in zip(run(**inputs), dtypes)]

@@ -12,15 +12,27 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.chdir(ROOT)   # the harness resolves definitions/, solutions/ and workloads/ from the repository root
 
+from harness.project import Project  # noqa: E402 - after the interpreter's choice above
+
+PROJECT = Project.at(ROOT)      # every path the tests read comes from it, whatever the working directory
 DEFINITION = "leapquant_kda_flush_r4_int8_h32_v128_k128"
 
 
 @pytest.fixture(scope="session")
 def defn():
     from harness.definition import find_definition
-    return find_definition(DEFINITION)
+    return find_definition(DEFINITION, PROJECT.definitions)
+
+
+@pytest.fixture
+def tmp_project(tmp_path) -> Project:
+    """A project of its own under tmp_path: the repository's definitions and workloads (linked, read-only in
+    spirit: a test writes no workload), an empty solutions/ for the test's fixtures and its own traces/."""
+    (tmp_path / "definitions").symlink_to(PROJECT.definitions)
+    (tmp_path / "workloads").symlink_to(PROJECT.workloads)
+    (tmp_path / "solutions").mkdir()
+    return Project.at(tmp_path)
 
 
 def axes_for(defn, batch_size):

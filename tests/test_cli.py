@@ -12,14 +12,13 @@ import pytest
 from conftest import ROOT, make_solution
 from harness import __main__ as harness_main, cli, gen_workloads, run
 from harness.runner import Result
-from harness.solutions import load_solution
 from harness.workloads import Workload
 
 COMMANDS = list(harness_main.COMMANDS)
 
 
-def _python(*args, timeout=300):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _python(*args, timeout=300, cwd=ROOT):
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def _exit(argv, capsys):
@@ -140,12 +139,12 @@ def test_summary_line():
     assert run.summary([], [], 4) == "0 solutions x 4 workloads: nothing run"
 
 
-def test_run_ends_with_the_summary_and_exits_0_or_1(tmp_path, monkeypatch, capsys):
-    root = tmp_path / "solutions"
-    make_solution(root, "broken", "def run(*x):\n    raise RuntimeError('kaput')\n")
-    make_solution(root, "fine", "from flush import run as flush\n\ndef run(*x):\n    return flush(*x)\n")
-    monkeypatch.setattr(run, "load_solution", lambda n, d: load_solution(n, d, root))
-    flags = ["--device", "cpu", "--batch-sizes", "1", "--families", "edge,random", "--no-traces"]
+def test_run_ends_with_the_summary_and_exits_0_or_1(tmp_project, capsys):
+    make_solution(tmp_project.solutions, "broken", "def run(*x):\n    raise RuntimeError('kaput')\n")
+    make_solution(tmp_project.solutions, "fine",
+                  "from flush import run as flush\n\ndef run(*x):\n    return flush(*x)\n")
+    flags = ["--device", "cpu", "--batch-sizes", "1", "--families", "edge,random", "--no-traces",
+             "--project", str(tmp_project.root)]
     assert harness_main.main(["run", "--solution", "fine", *flags]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "1 solution x 2 workloads: 2 PASSED"
     assert harness_main.main(["run", "--solution", "fine", "--solution", "broken", *flags]) == 1
@@ -180,6 +179,16 @@ def test_module_entry_points_keep_working():
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no such solution" in done.stderr, done.stderr
     done = _python("-m", "harness", "run", "--batch-sizes", "0")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "at least 1" in done.stderr, done.stderr
+
+
+def test_commands_find_the_project_from_any_folder(tmp_path):
+    """Run from a folder outside any project, a command reads the checkout's project (its solutions are known);
+    --project names another, and a folder that is not one is bad input in one line."""
+    done = _python("-m", "harness", "run", "--solution", "nope", "--device", "cpu", "--no-traces", cwd=tmp_path)
+    assert done.returncode == 2 and "known: reference, " in done.stderr and "torch_v1" in done.stderr, done.stderr
+    assert str(ROOT / "solutions") in done.stderr
+    done = _python("-m", "harness", "run", "--solution", "torch_v1", "--project", str(tmp_path), cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "not a project" in done.stderr, done.stderr
 
 
 def test_console_script_is_the_command_line():

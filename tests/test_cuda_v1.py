@@ -51,10 +51,10 @@ def test_timeline_tool_builds_with_the_kernel(tmp_path):
 def test_run_refuses_cpu_tensors_in_one_line():
     from harness.definition import find_definition
     from harness.solutions import load_entry, load_solution
-    from conftest import DEFINITION
+    from conftest import DEFINITION, PROJECT
     from harness.ops import leapquant_kda_flush as op
-    defn = find_definition(DEFINITION)
-    call = load_entry(load_solution("cuda_v1", defn), defn)          # importing main.py builds nothing
+    defn = find_definition(DEFINITION, PROJECT.definitions)
+    call = load_entry(load_solution("cuda_v1", defn, PROJECT.solutions), defn)          # importing main.py builds nothing
     x = op.make_inputs("random", defn.resolve_axes({"batch_size": 1}), 1)
     with pytest.raises(RuntimeError) as err:
         call(x, defn.resolve_axes({"batch_size": 1}))

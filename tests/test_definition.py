@@ -3,16 +3,16 @@ import json
 
 import pytest
 
+from conftest import PROJECT
 from harness.definition import DefinitionError, find_definition, load_definition
 
-SHIPPED = "definitions/leapquant_kda_flush/leapquant_kda_flush_r4_int8_h32_v128_k128.json"
+SHIPPED = PROJECT.definitions / "leapquant_kda_flush" / "leapquant_kda_flush_r4_int8_h32_v128_k128.json"
 
 
 def test_shipped_definition_is_the_shared_contract(defn):
-    from pathlib import Path
-    shared = Path("../shared/definition/leapquant_kda_flush_r4_int8_h32_v128_k128.json")
+    shared = PROJECT.root.parent / "shared" / "definition" / SHIPPED.name
     if shared.exists():
-        assert shared.read_text() == Path(SHIPPED).read_text()
+        assert shared.read_text() == SHIPPED.read_text()
     assert defn.op_type == "leapquant_kda_flush"
     assert defn.var_axes == ("batch_size",)
     assert list(defn.inputs) == ["codes", "s_k", "s_v", "u", "q", "kbuf", "ubuf", "gbuf", "w", "pcum", "q0"]
@@ -80,18 +80,17 @@ def test_invalid_json_and_missing_file(tmp_path):
     with pytest.raises(DefinitionError, match="no such definition"):
         load_definition(tmp_path / "missing.json")
     with pytest.raises(DefinitionError, match="no definition named"):
-        find_definition("nope")
+        find_definition("nope", PROJECT.definitions)
 
 
 def test_definition_is_checked_against_its_pinned_hash_before_its_reference_runs(tmp_path):
     """An edited contract (here the reference, through bf16, and a line that would leave a mark if executed) is
     refused before any of its code runs; so is a definition nobody pinned."""
     import shutil
-    from pathlib import Path
     root = tmp_path / "definitions"
-    shutil.copytree("definitions", root)
+    shutil.copytree(PROJECT.definitions, root)
     assert find_definition("leapquant_kda_flush_r4_int8_h32_v128_k128", root).name
-    path = root / "leapquant_kda_flush" / Path(SHIPPED).name
+    path = root / "leapquant_kda_flush" / SHIPPED.name
     raw = json.loads(path.read_text())
     mark = tmp_path / "executed"
     raw["reference"] = f"open({str(mark)!r}, 'w').close()\n" + raw["reference"].replace(

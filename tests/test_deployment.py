@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_solution
+from conftest import PROJECT, make_solution
 from harness import deploy_bench, runner
 from harness.ops import leapquant_kda_flush as op
 from harness.ops.leapquant_kda_flush import Pool, check_idx
@@ -130,11 +130,11 @@ def plant(root, name: str, lines: dict):
 
 
 @pytest.mark.parametrize("name", PLANTS)
-def test_planted_pool_is_judged_against_the_reference(name, tmp_path, monkeypatch, capsys):
+def test_planted_pool_is_judged_against_the_reference(name, tmp_project, capsys):
     lines, failure = PLANTS[name]
-    plant(tmp_path, name, lines)
-    monkeypatch.setattr(deploy_bench, "load_solution", lambda n, d: load_solution(n, d, tmp_path))
-    code = deploy_bench.main(["--solution", name, "--device", "cpu", "--batch-sizes", "1"])
+    plant(tmp_project.solutions, name, lines)
+    code = deploy_bench.main(["--solution", name, "--device", "cpu", "--batch-sizes", "1",
+                              "--project", str(tmp_project.root)])
     out = capsys.readouterr().out
     if failure is None:
         assert code == 0 and out.count("one call, untimed: PASSED") == 3, out
@@ -170,7 +170,7 @@ def test_gpu_benchmark_writes_its_record(name, tmp_path, defn, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     record = json.loads((tmp_path / defn.name / f"deploy_{name}.json").read_text())
-    assert record["solution_sha256"] == source_sha256(load_solution(name, defn), defn)
+    assert record["solution_sha256"] == source_sha256(load_solution(name, defn, PROJECT.solutions), defn)
     assert record["sandbox"] == "bwrap" or record["sandbox"].startswith("unsandboxed (")
     assert [r["case"] for r in record["rows"]] == ["all due", "all due", "1 in 16 due", "none due",
                                                    "none due, per call in a graph of 8"]

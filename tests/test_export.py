@@ -3,24 +3,27 @@ import json
 
 import pytest
 
+from conftest import PROJECT
 from harness.export import export
 from harness.solutions import discover
 from harness.workloads import load_workloads, select
 
-fib = pytest.importorskip("flashinfer_bench.data", reason="flashinfer-bench is the [fib] extra: pip install -e \".[fib]\"")
+fib = pytest.importorskip("flashinfer_bench.data",
+                          reason="flashinfer-bench is the [fib] extra: pip install -e \".[fib]\"")
 
 
 def test_flashinfer_bench_loads_the_export(defn, tmp_path):
     """Self-contained: every trace names a solution and a workload of the dataset (the reference included) and
     every workload's tensors load from the exported blobs, through FlashInfer-bench's own loader."""
-    counts = export(tmp_path, batch_sizes=(1,))
+    counts = export(tmp_path, PROJECT, batch_sizes=(1,))
     ts = fib.TraceSet.from_path(str(tmp_path))
     assert defn.name in ts.definitions
     assert ts.definitions[defn.name].op_type == "leapquant_kda_flush"
     names = {s.name for s in ts.solutions.get(defn.name, [])}
-    assert names == set(discover(defn))
+    assert names == set(discover(defn, PROJECT.solutions))
     workloads = ts.workloads[defn.name]
-    assert len(workloads) == counts["workloads"] == counts["blobs"] == len(select(load_workloads(defn), (1,)))
+    committed = select(load_workloads(defn, PROJECT.workload_file(defn)), (1,))
+    assert len(workloads) == counts["workloads"] == counts["blobs"] == len(committed)
     uuids = {w.workload.uuid for w in workloads}
     traces = ts.traces.get(defn.name, [])
     assert len(traces) == counts["traces"] and traces

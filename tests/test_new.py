@@ -11,13 +11,13 @@ from harness.solutions import load_solution
 
 
 @pytest.mark.parametrize("language", ["python", "triton"])
-def test_new_solution_passes_on_cpu(defn, tmp_path, monkeypatch, capsys, language):
-    root = tmp_path / "solutions"
-    assert new.main(["mine", "--language", language, "--solutions", str(root)]) == 0
+def test_new_solution_passes_on_cpu(defn, tmp_project, capsys, language):
+    project = ["--project", str(tmp_project.root)]
+    assert new.main(["mine", "--language", language, *project]) == 0       # into the project's solutions/
+    root = tmp_project.solutions
     sol = load_solution("mine", defn, root)
     assert sol.language == language and (root / "mine" / "NOTES.md").exists()
-    monkeypatch.setattr(run, "load_solution", lambda n, d: load_solution(n, d, root))
-    code = run.main(["--solution", "mine", "--device", "cpu", "--batch-sizes", "1", "--no-traces"])
+    code = run.main(["--solution", "mine", "--device", "cpu", "--batch-sizes", "1", "--no-traces", *project])
     out = capsys.readouterr().out
     assert code == 0, out
     rows = [line.split() for line in out.splitlines() if line.startswith("mine ")]

@@ -3,16 +3,14 @@ import ast
 import re
 import sys
 import types
-from pathlib import Path
-
 import pytest
 
-from conftest import DEFINITION
+from conftest import DEFINITION, PROJECT, ROOT
 from harness import HarnessError
 from harness.definition import find_definition
 from harness.ops import REQUIRED, load_op
 
-CORE = sorted(Path("harness").glob("*.py"))
+CORE = sorted((ROOT / "harness").glob("*.py"))
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +26,7 @@ def test_the_operator_provides_every_required_name(op):
 def test_the_deployment_names_are_the_definitions(op):
     """The pool keeps the checkpoint and window inputs; the call's own arguments are the other inputs; a sequence
     is due after a const axis's count of steps."""
-    defn = find_definition(DEFINITION)
+    defn = find_definition(DEFINITION, PROJECT.definitions)
     pooled = {*op.CHECKPOINT, *op.WINDOW}
     assert pooled <= set(defn.inputs) and set(op.POOL_CALL_ARGS) == set(defn.inputs) - pooled
     assert set(op.WINDOW_RESET) <= set(op.WINDOW) and op.DUE_EVERY in defn.const_axes

@@ -1,13 +1,11 @@
 """The leaderboard: built from traces, the committed one current."""
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
-from conftest import DEFINITION
+from conftest import PROJECT
 from harness import HarnessError, report
-from harness.definition import find_definition
 from harness.ops import leapquant_kda_flush as op
 from harness.records import DeployRecord, DriftRecord, StressRecord, Trace
 
@@ -109,8 +107,8 @@ def test_a_malformed_trace_is_one_line_naming_the_field(tmp_path, mutate, field)
 
 
 def test_committed_leaderboard_is_current():
-    text, _ = report.leaderboard(op)
-    assert Path("LEADERBOARD.md").read_text() == text, "stale: run `python -m harness.report` and commit"
+    text, _ = report.leaderboard(op, PROJECT)
+    assert PROJECT.leaderboard.read_text() == text, "stale: run `python -m harness.report` and commit"
 
 
 def _deploy(sha="abc"):
@@ -182,11 +180,11 @@ def test_records_loaded_by_kind(tmp_path):
 def test_other_traces_never_overwrite_the_committed_leaderboard(tmp_path, capsys):
     """--traces DIR writes beside those traces (or to --out); a board with GPU rows is not replaced by one without
     them unless --force."""
-    committed = Path("LEADERBOARD.md").read_text()
+    committed = PROJECT.leaderboard.read_text()
     empty = tmp_path / "empty"
     empty.mkdir()
     assert report.main(["--traces", str(empty)]) == 0
-    assert Path("LEADERBOARD.md").read_text() == committed
+    assert PROJECT.leaderboard.read_text() == committed
     assert "No timed traces yet" in (empty / "LEADERBOARD.md").read_text()
     out = tmp_path / "out"
     out.mkdir()
@@ -197,13 +195,12 @@ def test_other_traces_never_overwrite_the_committed_leaderboard(tmp_path, capsys
     assert "No timed traces yet" in (out / "LEADERBOARD.md").read_text()
 
 
-def test_ci_report_gives_cpu_verdicts_standings_and_pending_gpu(tmp_path):
+def test_ci_report_gives_cpu_verdicts_standings_and_pending_gpu(tmp_path, tmp_project, defn):
     """Each solution folder gets a CPU verdict (a CUDA one skipped, a broken one COMPILE_ERROR) and, without GPU
     traces of its current sources, a line under "Pending GPU"."""
-    defn = find_definition(DEFINITION)
-    solutions = tmp_path / "solutions"
+    solutions = tmp_project.solutions
     for name in ("torch_v1", "cuda_v1"):
-        shutil.copytree(Path("solutions") / name, solutions / name)
+        shutil.copytree(PROJECT.solutions / name, solutions / name)
     (solutions / "half_done").mkdir()
     (solutions / "half_done" / "solution.json").write_text('{"name": "half_done", "definition": "%s"}' % defn.name)
     cpu = tmp_path / "cpu" / defn.name
@@ -214,7 +211,7 @@ def test_ci_report_gives_cpu_verdicts_standings_and_pending_gpu(tmp_path):
         t["definition"] = defn.name
     (cpu / "torch_v1.jsonl").write_text("".join(json.dumps(Trace.model_validate(t).to_json()) + "\n"
                                                 for t in (passed, failed)))
-    text = report.ci_report(defn, tmp_path / "cpu", tmp_path / "no_gpu_traces", solutions)
+    text = report.ci_report(defn, tmp_path / "cpu", tmp_project)     # the project has no traces/
     lines = text.splitlines()
     cpu_rows = lines[lines.index("## CPU verdicts"):lines.index("## Committed GPU standings")]
     assert any("| torch_v1 " in r and "INCORRECT_NUMERICAL (1/2)" in r for r in cpu_rows)

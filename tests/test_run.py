@@ -4,19 +4,19 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEFINITION
+from conftest import DEFINITION, PROJECT, make_solution
 from harness import run
 from harness.ops import leapquant_kda_flush as op
 from harness.definition import find_definition
 from harness.solutions import discover, load_solution, source_sha256
-from harness.workloads import load_workloads, select, workloads_path
+from harness.workloads import load_workloads, select
 
-SOLUTIONS = discover(find_definition(DEFINITION))
+SOLUTIONS = discover(find_definition(DEFINITION, PROJECT.definitions), PROJECT.solutions)
 
 
 @pytest.mark.parametrize("name", SOLUTIONS)
-def test_solution_passes_every_family_on_cpu(name, capsys):
-    sol = load_solution(name, find_definition(DEFINITION))
+def test_solution_passes_every_family_on_cpu(name, defn, capsys):
+    sol = load_solution(name, defn, PROJECT.solutions)
     if sol.language == "cuda":
         pytest.skip("CUDA sources are checked by their compile test; they need a GPU to run")
     code = run.main(["--solution", name, "--device", "cpu", "--batch-sizes", "1,2", "--no-traces"])
@@ -25,14 +25,12 @@ def test_solution_passes_every_family_on_cpu(name, capsys):
     assert out.count(" PASSED ") >= 8, out
 
 
-def test_failing_solution_exits_nonzero_and_others_still_run(tmp_path, monkeypatch, capsys):
-    from conftest import make_solution
-    root = tmp_path / "solutions"
+def test_failing_solution_exits_nonzero_and_others_still_run(tmp_project, capsys):
+    root = tmp_project.solutions
     make_solution(root, "broken", "def run(*x):\n    raise RuntimeError('kaput')\n")
     make_solution(root, "fine", "from flush import run as flush\n\ndef run(*x):\n    return flush(*x)\n")
-    monkeypatch.setattr(run, "load_solution", lambda n, d: load_solution(n, d, root))
     code = run.main(["--solution", "broken", "--solution", "fine", "--device", "cpu", "--batch-sizes", "1",
-                     "--families", "edge", "--no-traces"])
+                     "--families", "edge", "--no-traces", "--project", str(tmp_project.root)])
     out = capsys.readouterr().out
     assert code == 1
     assert "RUNTIME_ERROR" in out and "RuntimeError: kaput" in out and "Traceback" not in out
@@ -52,7 +50,7 @@ def test_bad_arguments_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-def test_cpu_run_writes_traces_when_asked(tmp_path, capsys):
+def test_cpu_run_writes_traces_when_asked(tmp_path, defn, capsys):
     assert run.main(["--solution", "torch_v1", "--device", "cpu", "--batch-sizes", "1", "--families", "random",
                      "--traces", str(tmp_path)]) == 0
     [line] = (tmp_path / DEFINITION / "torch_v1.jsonl").read_text().splitlines()
@@ -60,8 +58,7 @@ def test_cpu_run_writes_traces_when_asked(tmp_path, capsys):
     assert trace["evaluation"]["status"] == "PASSED" and trace["solution"] == "torch_v1"
     assert trace["evaluation"]["performance"]["latency_ms"] == 0.0          # judged, not timed
     assert trace["evaluation"]["correctness"]["extra"]["family"] == "random"
-    defn = find_definition(DEFINITION)
-    assert trace["solution_sha256"] == source_sha256(load_solution("torch_v1", defn), defn)
+    assert trace["solution_sha256"] == source_sha256(load_solution("torch_v1", defn, PROJECT.solutions), defn)
     (tmp_path / DEFINITION / "torch_v1.jsonl").write_text(line.replace('"PASSED"', '"FINE"') + "\n")
     assert run.main(["--solution", "torch_v1", "--device", "cpu", "--batch-sizes", "1", "--families", "random",
                      "--traces", str(tmp_path)]) == 2                        # refused before anything runs
@@ -79,40 +76,37 @@ def test_table_shows_the_floor_and_the_ratio_when_timed():
     assert rows["cpu"][5:8] == ["-", "-", "-"]
 
 
-def test_seed_judges_fresh_inputs_and_leaves_the_workloads_alone(tmp_path, monkeypatch, capsys):
-    defn = find_definition(DEFINITION)
-    committed = workloads_path(defn).read_bytes()
+def test_seed_judges_fresh_inputs_and_leaves_the_workloads_alone(tmp_path, defn, monkeypatch, capsys):
+    committed = PROJECT.workload_file(defn).read_bytes()
     seen = []
     evaluate = run.evaluate
 
-    def spy(defn, sol, workloads, device, *args, root=".", **kwargs):
-        seen.extend((w, (Path(root) / w.blob).exists()) for w in workloads)
-        return evaluate(defn, sol, workloads, device, *args, root=root, **kwargs)
+    def spy(defn, sol, workloads, device, *, root, **kwargs):
+        seen.extend((w, Path(root) != PROJECT.root and (Path(root) / w.blob).exists()) for w in workloads)
+        return evaluate(defn, sol, workloads, device, root=root, **kwargs)
     monkeypatch.setattr(run, "evaluate", spy)
     code = run.main(["--solution", "torch_v1", "--device", "cpu", "--batch-sizes", "1", "--families", "edge",
                      "--seed", "7", "--traces", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0 and " PASSED " in out and "fresh inputs from base seed 7" in out, out
     [(fresh, blob_written)] = seen
-    [original] = select(load_workloads(defn), (1,), ("edge",))
+    [original] = select(load_workloads(defn, PROJECT.workload_file(defn)), (1,), ("edge",))
     assert blob_written and fresh.family == "edge" and fresh.axes == original.axes
     assert fresh.seed != original.seed and fresh.sha256 != original.sha256
-    assert workloads_path(defn).read_bytes() == committed
+    assert PROJECT.workload_file(defn).read_bytes() == committed
     assert not any(tmp_path.iterdir())                                       # fresh inputs write no traces
 
 
-def test_a_broken_folder_is_one_status_line_and_the_others_run(tmp_path, monkeypatch, capsys):
+def test_a_broken_folder_is_one_status_line_and_the_others_run(tmp_project, capsys):
     """A solution.json that does not parse and an entry point that does not import: one COMPILE_ERROR line each,
     the other solutions judged, exit 1; named alone on the command line, the folder is bad input (exit 2)."""
-    from conftest import make_solution
-    root = tmp_path / "solutions"
+    root = tmp_project.solutions
+    project = ["--project", str(tmp_project.root)]
     make_solution(root, "fine", "from flush import run as flush\n\ndef run(*x):\n    return flush(*x)\n")
     make_solution(root, "no_import", "import no_such_module\n")
     (root / "half_written").mkdir()
     (root / "half_written" / "solution.json").write_text('{"name": "half_written", "definition": ')
-    monkeypatch.setattr(run, "discover", lambda d: discover(d, root))
-    monkeypatch.setattr(run, "load_solution", lambda n, d: load_solution(n, d, root))
-    code = run.main(["--device", "cpu", "--batch-sizes", "1", "--families", "edge,random", "--no-traces"])
+    code = run.main(["--device", "cpu", "--batch-sizes", "1", "--families", "edge,random", "--no-traces", *project])
     out = capsys.readouterr().out
     assert code == 1
     rows = [line.split() for line in out.splitlines() if line.startswith(("fine ", "no_import ", "half_written "))]
@@ -121,13 +115,12 @@ def test_a_broken_folder_is_one_status_line_and_the_others_run(tmp_path, monkeyp
     assert sum(r[0] == "no_import" for r in rows) == 1 and sum(r[0] == "fine" for r in rows) == 2
     assert out.count("No module named 'no_such_module'") == 2      # its progress line and its table row
     assert "not valid JSON" in out and "Traceback" not in out
-    assert run.main(["--solution", "half_written", "--device", "cpu", "--no-traces"]) == 2
+    assert run.main(["--solution", "half_written", "--device", "cpu", "--no-traces", *project]) == 2
 
 
 @pytest.mark.parametrize("dps", [True, False])
-def test_wrong_calling_style_says_which_to_set(tmp_path, monkeypatch, capsys, dps):
-    from conftest import make_solution
-    root = tmp_path / "solutions"
+def test_wrong_calling_style_says_which_to_set(tmp_project, capsys, dps):
+    root = tmp_project.solutions
     code = ("from flush import run as flush\n\ndef run(*x):\n    return flush(*x)\n" if dps else
             "def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0, codes_new, s_k_new, s_v_new, u_new, "
             "q_new):\n    pass\n")
@@ -135,8 +128,7 @@ def test_wrong_calling_style_says_which_to_set(tmp_path, monkeypatch, capsys, dp
         code = code.replace("def run(*x):", "def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0):")
         code = code.replace("flush(*x)", "flush(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0)")
     make_solution(root, "style", code, dps=dps)
-    monkeypatch.setattr(run, "load_solution", lambda n, d: load_solution(n, d, root))
     assert run.main(["--solution", "style", "--device", "cpu", "--batch-sizes", "1", "--families", "edge",
-                     "--no-traces"]) == 1
+                     "--no-traces", "--project", str(tmp_project.root)]) == 1
     expected = f'set "destination_passing_style": {"false" if dps else "true"}'
     assert expected in capsys.readouterr().out

@@ -5,8 +5,9 @@ import time
 import pytest
 import torch
 
-from conftest import make_solution
+from conftest import PROJECT, make_solution
 from harness import runner
+from harness.project import Settings
 from harness.solutions import load_entry, load_solution
 from harness.workloads import load_workloads, select
 
@@ -37,16 +38,22 @@ BAD = {
 }
 
 
+def evaluate(defn, sol, workloads, timeout_s: float, **kwargs):
+    """runner.evaluate on the CPU, on the project's workloads, with a timeout per call."""
+    return runner.evaluate(defn, sol, workloads, "cpu", root=PROJECT.root, settings=Settings(timeout_s=timeout_s),
+                           **kwargs)
+
+
 @pytest.fixture(scope="module")
 def small(defn):
-    return select(load_workloads(defn), [1], ["random"])
+    return select(load_workloads(defn, PROJECT.workload_file(defn)), [1], ["random"])
 
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_solution_gets_its_status(defn, small, tmp_path, case):
     code, status, log = BAD[case]
     make_solution(tmp_path, "bad", code)
-    [result] = runner.evaluate(defn, load_solution("bad", defn, tmp_path), small, "cpu", timeout_s=60)
+    [result] = evaluate(defn, load_solution("bad", defn, tmp_path), small, timeout_s=60)
     assert result.status == status, result.log
     assert log in result.log and "\n" not in result.log and "Traceback" not in result.log
 
@@ -61,17 +68,17 @@ def test_hang_times_out_and_ends_the_solutions_run(defn, tmp_path, monkeypatch):
             "    if not os.path.exists(marker):\n        open(marker, 'w').close()\n"
             "        time.sleep(600)\n    return flush(*x)\n")
     make_solution(tmp_path, "hangs", code)
-    workloads = select(load_workloads(defn), [1], ["random", "edge"])
+    workloads = select(load_workloads(defn, PROJECT.workload_file(defn)), [1], ["random", "edge"])
     sol = load_solution("hangs", defn, tmp_path)
     start = time.monotonic()
-    results = runner.evaluate(defn, sol, workloads, "cpu", timeout_s=8)
+    results = evaluate(defn, sol, workloads, timeout_s=8)
     assert time.monotonic() - start < 40
     assert [r.status for r in results] == [runner.TIMEOUT, runner.TIMEOUT]
     assert "no answer within 8 s" in results[0].log
     assert results[1].log.startswith("not run: the worker was stopped on edge batch_size=1")
     [marker] = (tmp_path / "cache").rglob("hung_once")
     marker.unlink()
-    kept = runner.evaluate(defn, sol, workloads, "cpu", timeout_s=8, keep_going=True)
+    kept = evaluate(defn, sol, workloads, timeout_s=8, keep_going=True)
     assert [r.status for r in kept] == [runner.TIMEOUT, runner.PASSED], kept[1].log
 
 
@@ -81,7 +88,7 @@ def test_cpu_worker_runs_one_intra_op_thread(defn, small, tmp_path):
     make_solution(tmp_path, "threads", "import torch\nfrom flush import run as flush\n\ndef run(*x):\n"
                   "    assert torch.get_num_threads() == 1, f'{torch.get_num_threads()} threads'\n"
                   "    return flush(*x)\n")
-    [result] = runner.evaluate(defn, load_solution("threads", defn, tmp_path), small, "cpu", timeout_s=60)
+    [result] = evaluate(defn, load_solution("threads", defn, tmp_path), small, timeout_s=60)
     assert result.status == runner.PASSED, result.log
 
 
@@ -99,9 +106,10 @@ def test_every_workload_is_also_judged_on_fresh_inputs(defn, small, tmp_path):
     """A table of the committed workloads' answers passes them and nothing else: the fresh draw catches it."""
     from harness.workloads import load_inputs
     [w] = small
-    inputs = load_inputs(defn, w)
+    inputs = load_inputs(defn, w, root=PROJECT.root)
     answers = tmp_path / "answers.pt"
-    torch.save(load_entry(load_solution("torch_v1", defn), defn)(inputs, defn.resolve_axes(w.axes)), answers)
+    flush = load_entry(load_solution("torch_v1", defn, PROJECT.solutions), defn)
+    torch.save(flush(inputs, defn.resolve_axes(w.axes)), answers)
     folder = make_solution(tmp_path, "table", "import os, torch\n\n"
                            "def run(*x):\n    return torch.load(os.path.join(os.path.dirname(__file__), "
                            "'answers.pt'))\n", copy_flush=False)
@@ -109,7 +117,7 @@ def test_every_workload_is_also_judged_on_fresh_inputs(defn, small, tmp_path):
     raw = json.loads((folder / "solution.json").read_text())
     raw["sources"].append({"path": "answers.pt"})
     (folder / "solution.json").write_text(json.dumps(raw))
-    [result] = runner.evaluate(defn, load_solution("table", defn, tmp_path), small, "cpu", timeout_s=60)
+    [result] = evaluate(defn, load_solution("table", defn, tmp_path), small, timeout_s=60)
     assert result.status == runner.INCORRECT_NUMERICAL and result.log.startswith("fresh inputs: "), result.log
     assert result.fresh_seed is not None
 
@@ -131,15 +139,15 @@ def test_floor_matches_operator_md(defn):
 def test_the_harness_running_out_of_memory_is_that_workloads_status(defn, tmp_path, monkeypatch):
     """Generating or checking a workload's inputs in the harness's own process may not fit on a shared GPU: that
     workload gets one status line and the next ones are judged."""
-    workloads = select(load_workloads(defn), [1], ["random", "edge"])
+    workloads = select(load_workloads(defn, PROJECT.workload_file(defn)), [1], ["random", "edge"])
     real = runner.load_inputs
 
-    def load_inputs(defn, w, device, root):
+    def load_inputs(defn, w, device, *, root):
         if w.family == "random":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore detail")
-        return real(defn, w, device, root)
+        return real(defn, w, device, root=root)
     monkeypatch.setattr(runner, "load_inputs", load_inputs)
-    results = runner.evaluate(defn, load_solution("torch_v1", defn), workloads, "cpu", timeout_s=60)
+    results = evaluate(defn, load_solution("torch_v1", defn, PROJECT.solutions), workloads, timeout_s=60)
     by_family = {r.workload.family: r for r in results}
     assert by_family["random"].status == runner.RUNTIME_ERROR and "\n" not in by_family["random"].log
     assert by_family["random"].log.startswith("the harness ran out of device memory on this workload: CUDA out")

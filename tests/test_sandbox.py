@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 import harness.run as harness_run
-from conftest import DEFINITION, ROOT, make_solution
+from conftest import DEFINITION, PROJECT, ROOT, make_solution
 from harness import runner, sandbox
+from harness.project import Settings
 from harness.solutions import load_solution, source_sha256
 from harness.workloads import load_workloads, select
 
@@ -63,18 +64,17 @@ def private_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def one(defn):
-    return select(load_workloads(defn), [1], ["random"])
+    return select(load_workloads(defn, PROJECT.workload_file(defn)), [1], ["random"])
 
 
 @pytest.fixture
-def repo(tmp_path, monkeypatch):
-    """A copy of what a run reads from the repository, plus the honest solution, made the current directory (the
-    harness runs from the repository root): the attacks on repository files target this copy."""
+def repo(tmp_path):
+    """A project copied from what a run reads from the repository, plus the honest solution (run_cli runs in it):
+    the attacks on repository files target this copy."""
     copy = tmp_path / "repo"
     for part in DATA:
         shutil.copytree(ROOT / part, copy / part)
     shutil.copytree(ROOT / "solutions" / HONEST, copy / "solutions" / HONEST)
-    monkeypatch.chdir(copy)
     return copy
 
 
@@ -84,7 +84,8 @@ def plant(defn, folder: Path, name: str, code: str, **kwargs):
 
 
 def judge(defn, sol, workloads, timeout_s=TIMEOUT_S, **kwargs) -> list[runner.Result]:
-    results = runner.evaluate(defn, sol, workloads, "cpu", timeout_s=timeout_s, **kwargs)
+    results = runner.evaluate(defn, sol, workloads, "cpu", root=PROJECT.root, settings=Settings(timeout_s=timeout_s),
+                              **kwargs)
     assert all(r.isolation == "bwrap" for r in results), results[0].isolation
     return results
 
@@ -94,8 +95,8 @@ def assert_honest_passes(defn, workloads) -> None:
     assert [r.status for r in results] == [runner.PASSED] * len(workloads), [r.log for r in results]
 
 
-def run_cli(monkeypatch, *names: str) -> tuple[int, list[runner.Result]]:
-    """harness.run.main on the named solutions (under ./solutions) at B=1, family random: its exit code and every
+def run_cli(monkeypatch, project: Path, *names: str) -> tuple[int, list[runner.Result]]:
+    """harness.run.main on the named solutions of the project at B=1, family random: its exit code and every
     result, in order."""
     results = []
 
@@ -106,7 +107,7 @@ def run_cli(monkeypatch, *names: str) -> tuple[int, list[runner.Result]]:
     monkeypatch.setattr(harness_run, "evaluate", evaluate_and_keep)
     argv = [arg for name in names for arg in ("--solution", name)]
     code = harness_run.main(argv + ["--device", "cpu", "--batch-sizes", "1", "--families", "random", "--no-traces",
-                                    "--timeout", f"{TIMEOUT_S:g}"])
+                                    "--timeout", f"{TIMEOUT_S:g}", "--project", str(project)])
     assert all(r.isolation == "bwrap" for r in results)
     return code, results
 
@@ -159,7 +160,7 @@ def test_killing_the_harness_fails(repo, monkeypatch):
     (which ignores signals sent from inside) and nothing else lives there: every kill misses, and the attack goes
     on to return the honest outputs."""
     make_solution(repo / "solutions", "killer", ATTEMPT + KILLER.format(pid=os.getpid(), pgid=os.getpgrp()))
-    code, results = run_cli(monkeypatch, "killer", HONEST)
+    code, results = run_cli(monkeypatch, repo, "killer", HONEST)
     assert [(r.solution, r.status) for r in results] == [("killer", runner.PASSED), (HONEST, runner.PASSED)]
     assert code == 0
     tried = attempts("killer")
@@ -213,7 +214,7 @@ def test_repository_files_cannot_be_changed(repo, monkeypatch):
     before = snapshot(repo)
     code = ATTEMPT + VANDAL.format(repo=str(repo), known=sorted(before), pid=os.getpid(), definition=DEFINITION)
     make_solution(repo / "solutions", "vandal", code)
-    exit_code, results = run_cli(monkeypatch, "vandal", HONEST)
+    exit_code, results = run_cli(monkeypatch, repo, "vandal", HONEST)
     assert [(r.solution, r.status) for r in results] == [("vandal", runner.PASSED), (HONEST, runner.PASSED)]
     assert exit_code == 0
     assert snapshot(repo) == before
@@ -393,7 +394,7 @@ def test_the_judge_and_the_definition_cannot_be_replaced(repo, monkeypatch, tmp_
                                    definition=str(Path(definition).relative_to("definitions")))
     make_solution(repo / "solutions", "forger", code)
     try:
-        exit_code, results = run_cli(monkeypatch, "forger", HONEST)
+        exit_code, results = run_cli(monkeypatch, repo, "forger", HONEST)
         after = {p: p.read_bytes() for p in host_cache.glob("*")}
     finally:        # had it got through, the real repository's cache is put back as it was
         for p in set(host_cache.glob("*")) - set(cached):
@@ -651,7 +652,7 @@ def test_an_output_that_is_not_a_plain_tensor_is_refused(defn, one, tmp_path, ca
 
 @needs_sandbox
 def test_a_hang_costs_one_timeout_and_stops_the_solution(defn, one, tmp_path):
-    workloads = select(load_workloads(defn), [1], None)
+    workloads = select(load_workloads(defn, PROJECT.workload_file(defn)), [1], None)
     sol = plant(defn, tmp_path / "planted", "sleeper", "import time\n\n\ndef run(*x):\n    time.sleep(600)\n")
     t0 = time.monotonic()
     results = judge(defn, sol, workloads, timeout_s=HANG_TIMEOUT_S)
@@ -684,7 +685,7 @@ def run(*x):
 @needs_sandbox
 def test_keep_going_runs_the_remaining_workloads(defn, tmp_path):
     """After the timeout a fresh worker (same sources, same home) runs the next workload."""
-    workloads = select(load_workloads(defn), [1], ["random", "edge"])
+    workloads = select(load_workloads(defn, PROJECT.workload_file(defn)), [1], ["random", "edge"])
     sol = plant(defn, tmp_path / "planted", "hangs_once", HANGS_ONCE)
     results = judge(defn, sol, workloads, timeout_s=HANG_TIMEOUT_S, keep_going=True)
     assert [r.status for r in results] == [runner.TIMEOUT, runner.PASSED], [r.log for r in results]

@@ -42,7 +42,7 @@ def test_copy_at_head_is_the_committed_solution_renamed_and_runs_the_same(tmp_pa
                                          capture_output=True, text=True, check=True).stdout)
     assert spec_json == {**original, "name": dest.name}
 
-    defn = find_definition(DEFINITION)
+    defn = find_definition(DEFINITION, ROOT / "definitions")
     axes = defn.resolve_axes({"batch_size": 1})
     inputs = op.make_inputs("edge", axes, 3)
     copy = load_entry(load_solution(dest.name, defn, root=tmp_path), defn)

@@ -4,13 +4,13 @@ import json
 import pytest
 import torch
 
-from conftest import make_solution
+from conftest import PROJECT, make_solution
 from harness.ops import leapquant_kda_flush as op
 from harness.solutions import REFERENCE, SolutionError, discover, load_entry, load_solution, source_sha256
 
 
 def test_discover_lists_reference_first(defn):
-    names = discover(defn)
+    names = discover(defn, PROJECT.solutions)
     assert names[0] == REFERENCE and "torch_v1" in names
 
 
@@ -20,10 +20,10 @@ def test_value_returning_and_destination_passing_agree(defn, tmp_path):
                   "    for o, r in zip(outputs, flush(*inputs)):\n        o.copy_(r)\n", dps=True)
     axes = defn.resolve_axes({"batch_size": 1})
     x = op.make_inputs("edge", axes, 3)
-    by_value = load_entry(load_solution("torch_v1", defn), defn)(x, axes)
+    by_value = load_entry(load_solution("torch_v1", defn, PROJECT.solutions), defn)(x, axes)
     by_dest = load_entry(load_solution("dps", defn, tmp_path), defn)(x, axes)
     assert all(torch.equal(a, b) for a, b in zip(by_value, by_dest))
-    ref = load_entry(load_solution(REFERENCE, defn), defn)(x, axes)
+    ref = load_entry(load_solution(REFERENCE, defn, PROJECT.solutions), defn)(x, axes)
     assert [t.shape for t in ref] == [t.shape for t in by_value]
 
 
@@ -75,7 +75,7 @@ def test_source_hash_follows_the_sources(defn, tmp_path):
     assert source_sha256(sol, defn) == before
     (folder / "flush.py").write_text((folder / "flush.py").read_text() + "\n# changed\n")
     assert source_sha256(sol, defn) != before
-    assert source_sha256(load_solution(REFERENCE, defn), defn) != before
+    assert source_sha256(load_solution(REFERENCE, defn, PROJECT.solutions), defn) != before
 
 
 def test_source_hash_covers_solution_json(defn, tmp_path):

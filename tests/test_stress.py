@@ -2,7 +2,6 @@
 writes reproducers that harness.run replays; a correct solution searches clean."""
 import contextlib
 import json
-from pathlib import Path
 
 import pytest
 
@@ -26,13 +25,13 @@ def _reproducers(tmp_path, name):
     return sorted((tmp_path / "failures" / name).glob("*.jsonl"))
 
 
-def test_unclamped_norm_found_shrunk_and_replayed(defn, tmp_path, capsys, monkeypatch):
+def test_unclamped_norm_found_shrunk_and_replayed(defn, tmp_path, tmp_project, capsys):
     """The reference with its Gram-Schmidt dividing by an unclamped norm: NaN on any head whose projection is
     exactly zero. The default example count finds it; the failure names one program off plain."""
     make_solution(tmp_path / "solutions", "unclamped", _planted_reference(defn, UNCLAMPED, "v.norm(dim=-1, "
                                                                                             "keepdim=True)"),
                   copy_flush=False)
-    assert _search(tmp_path, "unclamped", "--seed", "7") == 1
+    assert _search(tmp_path, "unclamped", "--seed", "7", "--project", str(tmp_project.root)) == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAILED")]
     assert len(lines) == 1 and "non-finite values in" in lines[0]
     described = lines[0].split(" | ")[1]
@@ -41,12 +40,12 @@ def test_unclamped_norm_found_shrunk_and_replayed(defn, tmp_path, capsys, monkey
     assert f"--workloads {path}" in lines[0]
     line = json.loads(path.read_text())
     assert line["workload"]["family"] == "stress" and sum(bool(p) for p in line["workload"]["params"]["programs"]) == 1
+    assert line["workload"]["inputs"]["codes"]["path"].startswith("failures/unclamped/")   # within the project
     # replayed by harness.run: the planted kernel fails it, the reference's own code passes it
-    monkeypatch.chdir(tmp_path)
-    make_solution(tmp_path / "solutions", "exact", defn.reference, copy_flush=False)
-    Path("definitions").symlink_to(Path(__file__).resolve().parents[1] / "definitions")
+    make_solution(tmp_project.solutions, "exact", defn.reference, copy_flush=False)
     for name, code in (("unclamped", 1), ("exact", 0)):
-        assert run.main(["--solution", name, "--workloads", str(path), "--device", "cpu"]) == code
+        assert run.main(["--solution", name, "--workloads", str(path), "--device", "cpu",
+                         "--project", str(tmp_project.root)]) == code
 
 
 def test_crash_on_a_kind_of_head_is_a_failure_of_its_own(defn, tmp_path, capsys):

@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-from conftest import axes_for, make_solution
+from conftest import PROJECT, axes_for, make_solution
 from harness import runner, timing
 from harness.ops import leapquant_kda_flush as op
+from harness.project import Settings
 from harness.solutions import load_solution
 from harness.workloads import load_workloads, select
 
@@ -169,24 +170,22 @@ def test_clock_disagreement():
 
 
 @pytest.fixture
-def cpu_timing(monkeypatch):
-    """The CPU's timed path: a short loop, and a tolerance for a shared 2-core machine (the attacks below miss by
-    far more)."""
-    monkeypatch.setattr(timing, "MIN_CALLS", 12)
-    monkeypatch.setattr(timing, "MAX_CALLS", 12)
-    monkeypatch.setattr(timing, "POOL_PROGRAMS", 256)
+def cpu_timing(monkeypatch) -> Settings:
+    """The CPU's timed path: a short loop, a copy rate set rather than measured, and a tolerance for a shared 2-core
+    machine (the attacks below miss by far more)."""
     monkeypatch.setattr(timing, "CLOCK_TOLERANCE", 0.5)
+    return Settings(timeout_s=120, min_calls=12, max_calls=12, pool_programs=256, bandwidth=1e12)
 
 
-def _timed_on_cpu(defn, tmp_path, name, code):
-    make_solution(tmp_path, name, code)
-    workloads = select(load_workloads(defn), [1], ["random"])
-    return runner.evaluate(defn, load_solution(name, defn, tmp_path), workloads, "cpu", timeout_s=120, timed=True,
-                           bandwidth=1e12)
+def _timed_on_cpu(defn, tmp_path, name, code, settings: Settings, dps=False):
+    make_solution(tmp_path, name, code, dps=dps)
+    workloads = select(load_workloads(defn, PROJECT.workload_file(defn)), [1], ["random"])
+    return runner.evaluate(defn, load_solution(name, defn, tmp_path), workloads, "cpu", root=PROJECT.root,
+                           settings=settings, timed=True)
 
 
 def test_honest_solution_passes_the_cpu_timed_path(defn, tmp_path, cpu_timing):
-    [r] = _timed_on_cpu(defn, tmp_path, "honest", HONEST)
+    [r] = _timed_on_cpu(defn, tmp_path, "honest", HONEST, cpu_timing)
     assert r.status == runner.PASSED, r.log
     assert r.latency_ms > 0 and r.clock["timed_calls"] == 12 and r.fresh_seed is not None
 
@@ -198,7 +197,7 @@ def test_honest_solution_passes_the_cpu_timed_path(defn, tmp_path, cpu_timing):
     ("replays_by_buffer", runner.INCORRECT_NUMERICAL, ("timed calls", "fresh inputs")),
 ])
 def test_timing_attack_loses_on_cpu(defn, tmp_path, cpu_timing, cheat, status, messages):
-    [r] = _timed_on_cpu(defn, tmp_path, cheat, CHEATS[cheat])
+    [r] = _timed_on_cpu(defn, tmp_path, cheat, CHEATS[cheat], cpu_timing)
     assert r.status == status and any(m in r.log for m in messages), (r.status, r.log)
 
 
@@ -218,21 +217,19 @@ def run(*x):
 
 
 def test_destination_passing_outputs_left_unwritten_in_the_timed_loop_fail(defn, tmp_path, cpu_timing):
-    make_solution(tmp_path, "lazy_dps", LAZY_DPS, dps=True)
-    workloads = select(load_workloads(defn), [1], ["random"])
-    [r] = runner.evaluate(defn, load_solution("lazy_dps", defn, tmp_path), workloads, "cpu", timeout_s=120,
-                          timed=True, bandwidth=1e12)
+    [r] = _timed_on_cpu(defn, tmp_path, "lazy_dps", LAZY_DPS, cpu_timing, dps=True)
     assert r.status == runner.INCORRECT_NUMERICAL and "timed calls" in r.log, (r.status, r.log)
 
 
 @pytest.fixture(scope="module")
 def gpu_workloads(defn):
-    return select(load_workloads(defn), [1, 16], ["random", "edge"])
+    return select(load_workloads(defn, PROJECT.workload_file(defn)), [1, 16], ["random", "edge"])
 
 
 @gpu
 def test_honest_solution_timed_above_the_floor(defn, gpu_workloads):
-    for r in runner.evaluate(defn, load_solution("torch_v1", defn), gpu_workloads, "cuda"):
+    for r in runner.evaluate(defn, load_solution("torch_v1", defn, PROJECT.solutions), gpu_workloads, "cuda",
+                             root=PROJECT.root):
         assert r.status == runner.PASSED, r.log
         assert r.floor_ms < r.latency_ms < 1e3
 
@@ -261,7 +258,7 @@ def run(*x):
 ])
 def test_timing_attack_loses_on_gpu(defn, gpu_workloads, tmp_path, cheat, messages):
     make_solution(tmp_path, cheat, SIDE_STREAM if cheat == "side_stream" else CHEATS[cheat])
-    results = runner.evaluate(defn, load_solution(cheat, defn, tmp_path), gpu_workloads, "cuda")
+    results = runner.evaluate(defn, load_solution(cheat, defn, tmp_path), gpu_workloads, "cuda", root=PROJECT.root)
     assert all(r.status != runner.PASSED and any(m in r.log for m in messages) for r in results), \
         [(r.status, r.log) for r in results]
 

@@ -3,12 +3,13 @@ nearly rank-deficient heads that need a third Gram-Schmidt pass."""
 import pytest
 import torch
 
+from conftest import PROJECT
 from harness.ops import leapquant_kda_flush as op
 from harness.solutions import load_entry, load_solution
 
 
 def test_one_graph_no_breaks(defn):
-    load_entry(load_solution("torch_v1", defn), defn)       # puts the folder on sys.path
+    load_entry(load_solution("torch_v1", defn, PROJECT.solutions), defn)       # puts the folder on sys.path
     import flush
     x = op.make_inputs("random", defn.resolve_axes({"batch_size": 1}), 1)
     explained = torch._dynamo.explain(flush.run)(*x.values())
@@ -26,6 +27,6 @@ HOT_ROW_RANK_ONE = {"checkpoint": "zero", "window": "one", "rank": 1, "scale": "
 def test_rank_one_hot_row_heads(defn, seed):
     axes = defn.resolve_axes({"batch_size": 1})
     x = op.make_inputs("stress", axes, seed, params={"programs": [HOT_ROW_RANK_ONE] * 32, "call": {"q0": "one_hot"}})
-    run = load_entry(load_solution("torch_v1", defn), defn)
+    run = load_entry(load_solution("torch_v1", defn, PROJECT.solutions), defn)
     verdict = op.judge(x, run(x, axes), defn.reference_run()(**x))
     assert verdict.passed, verdict.reason

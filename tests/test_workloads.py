@@ -5,14 +5,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import PROJECT
 from harness.ops import leapquant_kda_flush as op
 from harness.workloads import (DEFAULT_BATCH_SIZES, WorkloadError, load_inputs, load_workloads, save_workloads,
-                               select, workloads_path, write_workload)
+                               select, write_workload)
 
 
 @pytest.fixture(scope="module")
 def workloads(defn):
-    return load_workloads(defn)
+    return load_workloads(defn, PROJECT.workload_file(defn))
 
 
 def test_every_batch_size_and_family_listed(workloads):
@@ -49,7 +50,7 @@ def test_blob_with_other_contents_refused(defn, workloads, tmp_path):
 
 
 def _line(defn):
-    return json.loads(workloads_path(defn).read_text().splitlines()[0])
+    return json.loads(PROJECT.workload_file(defn).read_text().splitlines()[0])
 
 
 MALFORMED = {

@@ -166,7 +166,7 @@ def _trajectory(d: Draws, B, H, V, K, L, R) -> tuple[dict, dict, torch.Tensor]:
 PROGRAM_GRAMMAR = {
     "checkpoint": ("both", "tokens", "codes", "zero"),      # which parts of the old checkpoint hold anything
     "tokens_rank": (4, 3, 2, 1),                           # rank of its token part q^T u
-    "window": ("full", "few", "one", "empty"),              # live entries: 16, 4, 1, 0 (the rest as a reset leaves them)
+    "window": ("full", "few", "one", "empty"),              # live entries: 16, 4, 1, 0 (the rest as reset leaves them)
     "keys": ("random", "repeated", "collinear", "cancel"),  # cancel: entry pairs with equal keys, opposite values
     "rank": ("full", 0, 1, 2, 3, 4, 5),                    # the state's exact rank (codes zero, values in a span)
     "overlap": ("generic", "orthogonal_q0"),                # every value vector orthogonal to q0's columns

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia import compiler as nvidia
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,9 +37,18 @@ MODES = {
 }
 
 
+def _ptxas() -> str:
+    """The ptxas triton itself runs for sm_90: from Triton 3.9 it ships two and picks the newer one there, whose
+    PTX version the older cannot read."""
+    try:
+        return nvidia.get_ptxas(90).path
+    except TypeError:                       # Triton before 3.9: one ptxas for every architecture
+        return nvidia.get_ptxas().path
+
+
 def _ptxas_report(ptx: str, arch: str) -> dict:
     """ptxas -v on the kernel's PTX, as triton runs it (the register cap included)."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptxas = _ptxas()
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
