@@ -303,8 +303,8 @@ def _key(axes: dict, n_calls: int, pool_programs: int) -> tuple:
 
 def _timed_loop(op, worker: Worker, warm: dict, pool: dict, axes: dict, batched, n_prefix: int, n_calls: int,
                 n_programs: int, pool_programs: int, repeats: int, warmup_replays: int, walls: list):
-    """Yields (status, header or log, (index, variants)) per repeat of the worker's timed loop (timing.draw_calls
-    of the seed sent); appends each wall time (ms) from sending the seed to receiving the reply to `walls`."""
+    """Yields (status, header or log, (seed, (index, variants))) per repeat of the worker's timed loop (the schedule
+    seed sent and timing.draw_calls of it); appends each wall time (ms) from sending the seed to receiving the reply to `walls`."""
     status, log, _ = worker.request({"op": "time_prepare", "axes": axes, "batched": list(batched),
                                      "n_prefix": n_prefix, "n_calls": n_calls, "warmup_replays": warmup_replays},
                                     warm, "capturing")
@@ -324,7 +324,7 @@ def _timed_loop(op, worker: Worker, warm: dict, pool: dict, axes: dict, batched,
             walls.append((time.perf_counter() - t0) * 1e3)
         finally:
             gc.enable()
-        yield status, header, timing.draw_calls(n_calls, n_programs, pool_programs, seed, op, axes, device)
+        yield status, header, (seed, timing.draw_calls(n_calls, n_programs, pool_programs, seed, op, axes, device))
 
 
 def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device: str, *, root: str | Path,
@@ -457,7 +457,7 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
             not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in latencies):
         result.status, result.log = RUNTIME_ERROR, "while timing: the reply holds no valid latencies"
         return
-    index, variants = drawn
+    schedule_seed, (index, variants) = drawn
     device = index.device
     chunk = max(1, JUDGED_PROGRAMS // n)
     reference = defn.reference_run()
@@ -478,8 +478,9 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
         outs = tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
         verdict = op.judge(inputs, outs, reference(**inputs))
         if not verdict.passed:
+            # the schedule seed with the run seed (in the trace) rebuilds these calls' inputs: timing.draw_calls
             result.status, result.log = INCORRECT_NUMERICAL, f"timed calls {first}-{first + count - 1}: " \
-                                                             f"{verdict.reason}"
+                                                             f"{verdict.reason} (schedule seed {schedule_seed})"
             return
     null_wall, null_call = calibration.null_loop(axes, n_calls, programs.pool_programs)
     result.clock = {"timed_calls": n_calls, "wall_ms": walls[0], "null_wall_ms": null_wall,

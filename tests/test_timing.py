@@ -3,6 +3,7 @@ runner.evaluate: on the CPU (plain calls timed by perf_counter, a small loop and
 machine's noise) for the attacks that do not need a GPU, and on the GPU (skipped without one) for the rest. Each
 attack is written as a competitor would write it and must lose; an honest solution in the same setting must pass."""
 import os
+import re
 
 import pytest
 import torch
@@ -219,6 +220,7 @@ def run(*x):
 def test_destination_passing_outputs_left_unwritten_in_the_timed_loop_fail(defn, tmp_path, cpu_timing):
     [r] = _timed_on_cpu(defn, tmp_path, "lazy_dps", LAZY_DPS, cpu_timing, dps=True)
     assert r.status == runner.INCORRECT_NUMERICAL and "timed calls" in r.log, (r.status, r.log)
+    assert re.search(r"\(schedule seed \d+\)$", r.log), r.log         # with the run seed, it rebuilds the calls
 
 
 @pytest.fixture(scope="module")

@@ -181,6 +181,7 @@ HOT = 7                                                     # the hot row / colu
 SCALES = {"tiny": 2.0 ** -20, "huge_sv": 2.0 ** 12, "huge_u": 2.0 ** 5, "huge_q": 4.0, "huge_ubuf": 2.0 ** 5,
           "huge_kbuf": 4.0, "hot": 2.0 ** 10, "split": 2.0 ** -20, "deep": 2.0 ** -32}
 STATE_MAX = 2.0 ** 13                                       # the domain's |S| < 1e4
+STATE_MIN = 2.0 ** -20                                      # the domain's smallest max |S| of a state that is not 0
 COLUMN_NORM_MAX = 2.0 ** 15                                 # bounds |u| = |S^T q| below fp16's 65504
 TOTAL_DECAY_PCUM = -2000.0
 TOTAL_DECAY_GATE = 2.0 ** -24                               # fp16's smallest positive value: gbuf stays in (0, 1]
@@ -197,14 +198,20 @@ def _dyadic(x: torch.Tensor) -> torch.Tensor:
 
 
 def _within_format(x: dict) -> dict:
-    """Heads scaled down by a power of 2 where their state leaves the domain (|S| < 1e4) or the new tokens could not
-    hold it: u = S^T q with unit rows q, so a column of S whose 2-norm exceeds fp16's range (65504) would make u
-    infinite in any flush, the reference's included (a hot column summed over a window of repeated keys does). s_v, u
-    and ubuf scale together, so S scales with them."""
+    """Heads scaled by a power of 2 into the domain. Down where their state leaves it (|S| < 1e4) or the new tokens
+    could not hold it: u = S^T q with unit rows q, so a column of S whose 2-norm exceeds fp16's range (65504) would
+    make u infinite in any flush, the reference's included (a hot column summed over a window of repeated keys does).
+    Up where a state that is not zero lies wholly below 2^-20: there fp16 tokens hold nothing (u_new underflows) and
+    the reference's fp32 Gram-Schmidt squares a rank-deficient head's residual columns to zero, clamps their norm and
+    returns tokens of any size, finite or not (a `deep` head of rank 1 at 5e-9 did). s_v, u and ubuf scale together,
+    so S scales with them, exactly."""
     state = exact_state(cast(x))
     column_norm = ordered_sum(state * state, -2).amax(-1).sqrt()
-    over = torch.maximum(state.abs().amax((-2, -1)) / STATE_MAX, column_norm / COLUMN_NORM_MAX)
-    factor = _pow2(-torch.frexp(over)[1].clamp_min(0).double())        # 2^-m with 2^m > over
+    largest = state.abs().amax((-2, -1))
+    over = torch.maximum(largest / STATE_MAX, column_norm / COLUMN_NORM_MAX)
+    down = torch.frexp(over)[1].clamp_min(0)                            # 2^-down with 2^down > over
+    up = torch.where(largest > 0, 1 - torch.frexp(largest / STATE_MIN)[1], 0).clamp_min(0)   # 2^up * largest >= min
+    factor = _pow2((up - down).double())
     return {**x, "s_v": x["s_v"] * factor[..., None], "u": x["u"] * factor[..., None, None],
             "ubuf": x["ubuf"] * factor[..., None, None]}
 
