@@ -186,17 +186,22 @@ def add_family(p, default: str, help: str | None = None) -> None:
                    help=(help or "the input family whose workloads give the inputs") + " (default: %(default)s)")
 
 
-def add_timeout(p, default: float = Settings.timeout_s, help: str | None = None) -> None:
-    """--timeout S: read back into the run's Settings with settings_of(args)."""
-    p.add_argument("--timeout", type=positive_float, default=default, metavar="S",
-                   help=(help or "seconds per call before TIMEOUT") + " (default: %(default)g)")
+def add_timeout(p, help: str | None = None) -> None:
+    """--timeout S: read back into the run's Settings with settings_of(args, project)."""
+    p.add_argument("--timeout", type=positive_float, metavar="S",
+                   help=(help or "seconds per call before TIMEOUT")
+                   + f" (default: the competition file's timeout_s, else {Settings.timeout_s:g})")
 
 
-def settings_of(args: argparse.Namespace, **changes) -> Settings:
-    """The run's Settings: the defaults, with what the command line set (--timeout) and `changes`."""
+def settings_of(args: argparse.Namespace, project: Project) -> Settings:
+    """The run's Settings: the project's competition.yaml (harness.competition), with what the command line set
+    (--timeout) over it."""
+    from harness.competition import load_competition
+
+    settings = load_competition(project).settings
     if getattr(args, "timeout", None) is not None:
-        changes.setdefault("timeout_s", args.timeout)
-    return Settings(**changes)
+        settings = settings.replace(timeout_s=args.timeout)
+    return settings
 
 
 def add_traces(p, help: str | None = None) -> None:

@@ -164,7 +164,7 @@ def execute(args: argparse.Namespace) -> int:
             raise HarnessError("the deployment benchmark needs a GPU: torch sees none (--device cpu judges untimed)")
         device = cli.resolve_device(args.device, "one untimed call a case, judged")
         project = cli.project_of(args)
-        settings = cli.settings_of(args)
+        settings = cli.settings_of(args, project)
         defn = project_definition(project, args.definition)
         op = load_op(defn.op_type)
         sol = load_solution(args.solution, defn, project.solutions)

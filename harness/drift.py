@@ -62,10 +62,11 @@ def execute(args: argparse.Namespace) -> int:
         op = load_op(defn.op_type)
         sol = load_solution(args.solution, defn, project.solutions)
         axes = defn.resolve_axes({"batch_size": args.batch_size})
+        settings = cli.settings_of(args, project)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    worker = Worker(sol, defn, device, cli.settings_of(args).timeout_s, hide=[project.root])
+    worker = Worker(sol, defn, device, settings.timeout_s, hide=[project.root])
 
     def flush(**inputs):
         status, header, tensors = worker.request({"op": "run", "axes": axes}, inputs)

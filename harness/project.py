@@ -28,6 +28,10 @@ class ProjectError(HarnessError):
     pass
 
 
+class SettingError(ProjectError, ValueError):
+    """A setting out of range (a ValueError too, so that a competition file's validation names its key)."""
+
+
 @dataclass(frozen=True)
 class Project:
     root: Path
@@ -86,6 +90,10 @@ class Project:
         return self.root / "stress_failures"
 
     @property
+    def competition_file(self) -> Path:
+        return self.root / "competition.yaml"
+
+    @property
     def stress_database(self) -> Path:
         return self.root / ".hypothesis" / "stress"
 
@@ -124,9 +132,9 @@ class Settings:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
                     or not math.isfinite(value):
-                raise ProjectError(f"setting {field.name}: {value!r} is not a positive number")
+                raise SettingError(f"setting {field.name}: {value!r} is not a positive number")
         if self.min_calls > self.max_calls:
-            raise ProjectError(f"settings: min_calls {self.min_calls} is above max_calls {self.max_calls}")
+            raise SettingError(f"setting min_calls: {self.min_calls} is above max_calls {self.max_calls}")
 
     def timed_calls(self, n_programs: int) -> int:
         """Timed calls for a workload of `n_programs` programs a call."""

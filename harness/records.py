@@ -335,7 +335,7 @@ def parse(model: type[M], raw: Any, where: str, error: type[HarnessError] = Harn
             message = first["msg"].removeprefix("Value error, ")
             if first["type"] == "missing":
                 message = "missing"
-            elif first["type"] == "extra_forbidden":
+            elif first["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
                 message = "unknown field (a typo?)"
         raise error(f"{where}: field '{field or '<root>'}': {message}") from None
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from harness import HarnessError, cli
+from harness.competition import Ranking, load_competition
 from harness.definition import find_definition, project_definition
 from harness.ops import Operator, load_op
 from harness.records import (RECORDS, DeployRecord, DriftRecord, EvaluationStatus, SolutionRun, StressRecord, Trace,
@@ -29,6 +30,7 @@ from harness.records import (RECORDS, DeployRecord, DriftRecord, EvaluationStatu
 from harness.solutions import discover, load_solution, source_sha256
 from harness.project import LEADERBOARD_FILE, PLOT_FILE, Project
 from harness.traces import load_traces, read_traces
+from harness.workloads import load_workloads
 
 PASSED = EvaluationStatus.PASSED
 FAST_P = (1, 10, 30, 100)
@@ -48,15 +50,29 @@ def load_records(kind: str, root: Path) -> list[SolutionRun]:
 
 def leaderboard(op: Operator, project: Project, root: Path | None = None) -> tuple[str, dict]:
     """The leaderboard of everything recorded under root (default: the project's traces/), in the operator's
-    words: build() on its traces and records, against the project's solutions as they are now."""
+    words: build() on its traces and records, against the project's solutions as they are now, ranked by the
+    project's competition.yaml."""
     root = project.traces if root is None else root
     traces, records = load_all(root), {kind: load_records(kind, root) for kind in ("deploy", "drift", "stress")}
     current = current_hashes([*traces, *(r for rs in records.values() for r in rs)], project)
-    return build(traces, op, current, **records)
+    competition = load_competition(project)
+    ranked = {}
+    for name in competition.definitions or sorted(project.definition_names()):
+        defn = find_definition(name, project.definitions)
+        path = project.workload_file(defn)
+        workloads = load_workloads(defn, path) if path.exists() else []
+        ranked[name] = {w.uuid: w for w in workloads
+                        if (competition.ranking.batch_sizes is None or _batch_of(w) in competition.ranking.batch_sizes)
+                        and (competition.ranking.families is None or w.family in competition.ranking.families)}
+    return build(traces, op, current, **records, ranking=competition.ranking, ranked=ranked)
 
 
 def _batch(t: Trace) -> int:
     return t.workload.axes["batch_size"]
+
+
+def _batch_of(w) -> int:
+    return w.axes["batch_size"]
 
 
 def _speedups(traces: list[Trace]) -> list[float]:
@@ -219,11 +235,61 @@ def _hardware_tables(hardware: str, ts: list[Trace], definition: str, current: d
                                     op.WORDING.score_label], tablefmt="github", disable_numparse=True), ""]
 
 
+def ranking_section(traces: list[Trace], ranking: Ranking, ranked: dict, stress: list[StressRecord],
+                    current: dict) -> list[str]:
+    """The standings by competition.yaml's ranking, one table per (definition, hardware): a solution is ranked when
+    it passes every gate (harness.competition.Ranking), by its score over the ranking workloads (`ranked`:
+    {definition: {uuid: workload}}); the others are listed with the first gate they miss."""
+    parts = ["## Ranking", "",
+             f"From `competition.yaml`: score {ranking.score} over the workloads of batch sizes "
+             f"{', '.join(map(str, ranking.batch_sizes)) if ranking.batch_sizes else 'all'} and families "
+             f"{', '.join(ranking.families) if ranking.families else 'all'}; gates: {', '.join(ranking.gates)}.", ""]
+    clean = {(r.definition, r.solution) for r in stress
+             if not r.failures and sources_state([r], current.get((r.definition, r.solution))) == "current"}
+    tables = 0
+    for definition, chosen in sorted(ranked.items()):
+        mine = [t for t in traces if t.definition == definition and t.workload.uuid in chosen]
+        for hardware in sorted({t.hardware for t in mine}):
+            rows = []
+            on = [t for t in mine if t.hardware == hardware]
+            for sol in sorted({t.solution for t in on} - {"reference"}):
+                ts = [t for t in on if t.solution == sol]
+                passed = [t for t in ts if t.evaluation.status == PASSED]
+                speedups = [t.evaluation.performance.speedup_factor for t in passed]
+                missing = len(chosen) - len({t.workload.uuid for t in ts})
+                state = sources_state(ts, current.get((definition, sol)))
+                why = None
+                if "workloads" in ranking.gates:
+                    why = (f"{len(ts) - len(passed)} workload(s) not PASSED" if len(passed) < len(ts) else
+                           f"{missing} workload(s) not measured" if missing else
+                           f"sources {state}" if state != "current" else
+                           "a workload without a speedup" if not all(speedups) else None)
+                if why is None and "stress" in ranking.gates and (definition, sol) not in clean:
+                    why = "no clean stress record of its current sources"
+                score = _geomean([sp for sp in speedups if sp])
+                rows.append([sol, f"{score:.2f}" if score and why is None else "-", f"{len(passed)}/{len(chosen)}",
+                             why or "ranked"])
+            rows.sort(key=lambda r: (r[3] != "ranked", -float(r[1]) if r[1] != "-" else 0.0, r[0]))
+            rank = 0
+            for row in rows:
+                rank += row[3] == "ranked"
+                row.insert(0, str(rank) if row[3] == "ranked" else "-")
+            parts += [f"### {definition} on {hardware}", "",
+                      tabulate(rows, headers=["rank", "solution", "score", "passed", "gates"], tablefmt="github",
+                               disable_numparse=True), ""]
+            tables += 1
+    if not tables:
+        parts += ["Nothing to rank yet: no timed traces of the ranking workloads.", ""]
+    return parts
+
+
 def build(traces: list[Trace], op: Operator, current: dict, deploy: list[DeployRecord] = (),
-          drift: list[DriftRecord] = (), stress: list[StressRecord] = ()) -> tuple[str, dict]:
+          drift: list[DriftRecord] = (), stress: list[StressRecord] = (), ranking: Ranking | None = None,
+          ranked: dict | None = None) -> tuple[str, dict]:
     """The leaderboard's markdown and the plot's series {solution: [(batch, median latency ms)]} (+ 'floor'), from
     the traces and the deploy and drift records, in the words of the operator `op`. `current` maps (definition,
-    solution) to its sources' hash now (current_hashes)."""
+    solution) to its sources' hash now (current_hashes); with a `ranking` (competition.yaml's) and the workloads it
+    selects per definition (`ranked`), the standings come first."""
     by_def = defaultdict(list)
     for t in traces:
         by_def[t.definition].append(t)
@@ -236,6 +302,8 @@ def build(traces: list[Trace], op: Operator, current: dict, deploy: list[DeployR
                      "`reference` on the same workloads. Measured sources: whether the traces were taken on the "
                      "solution's sources as they are now; isolation: how its runs were sandboxed "
                      "(`harness/sandbox.py`).", ""]
+    if ranking is not None:
+        parts += ranking_section(traces, ranking, ranked or {}, list(stress), current)
 
     for definition, ts in sorted(by_def.items()):
         by_hardware = defaultdict(list)

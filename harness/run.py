@@ -18,6 +18,7 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from harness import HarnessError, cli, sandbox, timing, traces
+from harness.competition import load_competition
 from harness.definition import project_definition
 from harness.ops import Operator, load_op
 from harness.runner import (COMPILE_ERROR, INCORRECT_DTYPE, INCORRECT_NUMERICAL, INCORRECT_SHAPE, PASSED,
@@ -35,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = cli.epilog("a workload not PASSED, or a solution folder that does not load", families=True)
     cli.add_solution(p, many=True)
     cli.add_definition(p)
-    cli.add_batch_sizes(p, help="comma-separated batch sizes (default: all; 1,2 on CPU)")
-    cli.add_families(p)
+    cli.add_batch_sizes(p, help="comma-separated batch sizes (default: the competition file's run.batch_sizes, else "
+                                "all; 1,2 on CPU)")
+    cli.add_families(p, help="comma-separated input families (default: the competition file's run.families, else all)")
     p.add_argument("--workloads", metavar="FILE",
                    help="a workload file (JSONL) instead of the definition's, e.g. a reproducer written by "
                         "harness.stress; its workloads at every batch size; no traces unless --traces is given")
@@ -133,7 +135,8 @@ def execute(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
         project = cli.project_of(args)
-        settings = cli.settings_of(args)
+        competition = load_competition(project)
+        settings = cli.settings_of(args, project)
         defn = project_definition(project, args.definition)
         op = load_op(defn.op_type)
         solutions, unloadable = [], []
@@ -144,9 +147,12 @@ def execute(args: argparse.Namespace) -> int:
                 if args.solutions:          # named on the command line: bad input
                     raise
                 unloadable.append((name, str(e)))   # found in solutions/: one status line, the others still run
-        batch_sizes = args.batch_sizes or (CPU_BATCH_SIZES if device == "cpu" and not args.workloads else None)
-        workloads = select(load_workloads(defn, args.workloads or project.workload_file(defn)), batch_sizes,
-                           args.families)
+        # a flag, else the competition file's run (not for a workload file of its own), else all (1, 2 on CPU)
+        chosen = competition.run if not args.workloads else None
+        batch_sizes = args.batch_sizes or (chosen and chosen.batch_sizes) or (
+            CPU_BATCH_SIZES if device == "cpu" and not args.workloads else None)
+        families = args.families or (chosen and chosen.families) or None
+        workloads = select(load_workloads(defn, args.workloads or project.workload_file(defn)), batch_sizes, families)
         fresh = tempfile.TemporaryDirectory(prefix="harness_seed_") if args.seed is not None else None
         root = Path(fresh.name) if fresh else project.root
         if fresh:

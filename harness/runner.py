@@ -304,7 +304,8 @@ def _key(axes: dict, n_calls: int, pool_programs: int) -> tuple:
 def _timed_loop(op, worker: Worker, warm: dict, pool: dict, axes: dict, batched, n_prefix: int, n_calls: int,
                 n_programs: int, pool_programs: int, repeats: int, warmup_replays: int, walls: list):
     """Yields (status, header or log, (seed, (index, variants))) per repeat of the worker's timed loop (the schedule
-    seed sent and timing.draw_calls of it); appends each wall time (ms) from sending the seed to receiving the reply to `walls`."""
+    seed sent and timing.draw_calls of it); appends each wall time (ms) from sending the seed to receiving the reply
+    to `walls`."""
     status, log, _ = worker.request({"op": "time_prepare", "axes": axes, "batched": list(batched),
                                      "n_prefix": n_prefix, "n_calls": n_calls, "warmup_replays": warmup_replays},
                                     warm, "capturing")

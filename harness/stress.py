@@ -201,7 +201,7 @@ def execute(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
         project = cli.project_of(args)
         defn = project_definition(project, args.definition)
-        search = Search(defn, args.solution, device, args.batch_size, cli.settings_of(args).timeout_s, project,
+        search = Search(defn, args.solution, device, args.batch_size, cli.settings_of(args, project).timeout_s, project,
                         args.solutions)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -54,7 +54,7 @@ def test_run_refuses_cpu_tensors_in_one_line():
     from conftest import DEFINITION, PROJECT
     from harness.ops import leapquant_kda_flush as op
     defn = find_definition(DEFINITION, PROJECT.definitions)
-    call = load_entry(load_solution("cuda_v1", defn, PROJECT.solutions), defn)          # importing main.py builds nothing
+    call = load_entry(load_solution("cuda_v1", defn, PROJECT.solutions), defn)      # importing main.py builds nothing
     x = op.make_inputs("random", defn.resolve_axes({"batch_size": 1}), 1)
     with pytest.raises(RuntimeError) as err:
         call(x, defn.resolve_axes({"batch_size": 1}))
