@@ -204,6 +204,7 @@ class Environment(Record):
     libs: dict[str, str] = {}
     sandbox: str | None = None          # how the solution was isolated (harness.sandbox)
     gpu_other_processes: list[Any] | None = None
+    device: str | None = None           # where it ran ("cuda:1" in a run over several GPUs)
 
 
 class Evaluation(Record):

@@ -1,9 +1,9 @@
 """python -m harness.run --solution NAME [--solution NAME2 ...] [--batch-sizes 1,64] [--families edge,random]
-[--device auto|cuda|cpu] [--seed N] [--keep-going]: judge (and on a GPU time) solutions on the definition's workloads
-and print one table, then one line that sums it up ("3 solutions x 36 workloads: 107 PASSED, 1 INCORRECT_NUMERICAL").
-Every workload is judged on its committed inputs and on fresh ones drawn from a seed made for this run (recorded in the
-traces); on a GPU it is timed on fresh inputs too. With --seed, the chosen workloads are drawn anew from base seed N
-and only judged.
+[--device auto|cuda|cpu] [--devices all|cuda:0,cuda:1,...] [--seed N] [--keep-going]: judge (and on a GPU time)
+solutions on the definition's workloads and print one table, then one line that sums it up ("3 solutions x 36
+workloads: 107 PASSED, 1 INCORRECT_NUMERICAL"). Every workload is judged on its committed inputs and on fresh ones
+drawn from a seed made for this run (recorded in the traces); on a GPU it is timed on fresh inputs too. With --seed,
+the chosen workloads are drawn anew from base seed N and only judged.
 Exits 1 when any workload is not PASSED, 2 on bad input (definition, solution, workload file or arguments)."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tabulate import tabulate
@@ -43,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a workload file (JSONL) instead of the definition's, e.g. a reproducer written by "
                         "harness.stress; its workloads at every batch size; no traces unless --traces is given")
     cli.add_device(p)
+    p.add_argument("--devices", metavar="LIST|all",
+                   help="run over several devices at once, one worker each, a solution's workloads dealt among them "
+                        "(timing stays one job per GPU): 'all' (every GPU torch sees), 'cuda:0,cuda:1,...', or "
+                        "'cpu,cpu' (several CPU workers); overrides --device")
     cli.add_timeout(p, help="seconds per call before TIMEOUT; a solution's first timeout or dead worker ends its run: "
                             "its remaining workloads are reported without running")
     p.add_argument("--keep-going", action="store_true",
@@ -64,6 +69,44 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def resolve_device(choice: str) -> str:
     return cli.resolve_device(choice, "Triton through the interpreter, batch sizes 1,2 by default, not timed")
+
+
+def resolve_devices(text: str | None, device: str) -> tuple[str, list[int | None]]:
+    """(device kind, one slot per worker: a GPU index, or None for the CPU or the one default GPU) from --devices."""
+    if text is None:
+        return device, [None]
+    import torch
+
+    if text.strip() == "all":
+        if not torch.cuda.is_available():
+            raise HarnessError("--devices all: torch sees no GPU")
+        return "cuda", list(range(torch.cuda.device_count()))
+    items = [x.strip() for x in text.split(",")]
+    if all(x == "cpu" for x in items):
+        return "cpu", [None] * len(items)
+    if not all(x.startswith("cuda:") and x[5:].isdigit() for x in items) or len(set(items)) < len(items):
+        raise HarnessError(f"--devices {text!r}: give 'all', distinct cuda:N entries, or cpu entries")
+    gpus = [int(x[5:]) for x in items]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if max(gpus) >= count:
+        raise HarnessError(f"--devices {text!r}: torch sees {count} GPU(s)")
+    models = {torch.cuda.get_device_name(g) for g in gpus}
+    if len(models) > 1:         # a trace names one hardware, and speedups compare times of one model
+        raise HarnessError(f"--devices {text!r}: GPUs of different models ({', '.join(sorted(models))})")
+    return "cuda", gpus
+
+
+def evaluate_over(slots: list[int | None], calibrations: list, defn, sol, todo, device: str, **kwargs) -> list[Result]:
+    """evaluate() with the workloads dealt among the slots, one thread and one worker each, the results in the order
+    of `todo`; one slot runs in this thread."""
+    if len(slots) == 1:
+        return evaluate(defn, sol, todo, device, calibration=calibrations[0], gpu=slots[0], **kwargs)
+    shards = [todo[i::len(slots)] for i in range(len(slots))]
+    with ThreadPoolExecutor(len(slots), thread_name_prefix="device") as pool:
+        futures = [pool.submit(evaluate, defn, sol, shard, device, calibration=calibration, gpu=gpu, **kwargs)
+                   for shard, gpu, calibration in zip(shards, slots, calibrations) if shard]
+        done = {r.workload.uuid: r for f in futures for r in f.result()}
+    return [done[w.uuid] for w in todo]
 
 
 def table(results: list[Result], op: Operator, unloadable: list[tuple[str, str]] = ()) -> str:
@@ -133,7 +176,7 @@ def main(argv=None) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     try:
-        device = resolve_device(args.device)
+        device, slots = resolve_devices(args.devices, resolve_device(args.device) if args.devices is None else None)
         project = cli.project_of(args)
         competition = load_competition(project)
         settings = cli.settings_of(args, project)
@@ -172,7 +215,9 @@ def execute(args: argparse.Namespace) -> int:
         solutions = [s for s in solutions if s.language != "cuda"]
     env = traces.environment(device)
     run_seed = args.run_seed if args.run_seed is not None else int.from_bytes(os.urandom(7), "little")
-    print(f"{defn.name}: {len(solutions)} solution(s) x {len(workloads)} workload(s) on {device} "
+    on = device if slots == [None] else f"{len(slots)} x {device}" + (
+        f" ({', '.join(f'cuda:{g}' for g in slots)})" if device == "cuda" else "")
+    print(f"{defn.name}: {len(solutions)} solution(s) x {len(workloads)} workload(s) on {on} "
           f"({env['hardware']}), run seed {run_seed}"
           + (f", fresh inputs from base seed {args.seed}, not timed" if fresh else ""), flush=True)
     if sandbox.unavailable():
@@ -189,7 +234,7 @@ def execute(args: argparse.Namespace) -> int:
     if timed and settings.bandwidth is None:
         settings = settings.replace(bandwidth=timing.copy_bandwidth(device))
     hidden = [root, project.root]
-    calibration = Calibration(defn, device, settings, hidden) if timed else None
+    calibrations = [Calibration(defn, device, settings, hidden, gpu) if timed else None for gpu in slots]
     results: list[Result] = []
     for sol in solutions:
         todo = workloads
@@ -200,9 +245,9 @@ def execute(args: argparse.Namespace) -> int:
             env["gpu_other_processes"] = others
             if others:
                 print(f"WARNING: other processes use the GPU while {sol.name} is timed: {others}", flush=True)
-        done = evaluate(defn, sol, todo, device, root=root, settings=settings, hide=(project.root,), timed=timed,
-                        run_seed=run_seed, keep_going=args.keep_going, calibration=calibration,
-                        on_result=_progress(sol.name, len(todo), op.WORDING.score_label))
+        done = evaluate_over(slots, calibrations, defn, sol, todo, device, root=root, settings=settings,
+                             hide=(project.root,), timed=timed, run_seed=run_seed, keep_going=args.keep_going,
+                             on_result=_progress(sol.name, len(todo), op.WORDING.score_label))
         if sol.name == REFERENCE:
             reference_ms.update({r.workload.uuid: r.latency_ms for r in done})
         if trace_root is not None:
@@ -210,8 +255,9 @@ def execute(args: argparse.Namespace) -> int:
             for path in traces.write_traces(records, trace_root):
                 print(f"  wrote {path}", flush=True)
         results += done
-    if calibration is not None:
-        calibration.close()
+    for calibration in calibrations:
+        if calibration is not None:
+            calibration.close()
     for name, log in unloadable:
         print(f"{name}: {COMPILE_ERROR}: {log}", flush=True)
     print()

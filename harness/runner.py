@@ -54,6 +54,13 @@ class Result:
     clock: dict = field(default_factory=dict)   # the timed loop against the harness's clock
     isolation: str = ""                 # "bwrap", or "unsandboxed (why)"
     sha256: str = ""                    # of the sources the worker was given, taken before they ran
+    device: str = ""                    # where it ran: "cpu", "cuda", or "cuda:<index>" in a run over several GPUs
+
+
+def physical_gpu(index: int) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of this process's GPU `index` (its own CUDA_VISIBLE_DEVICES, if set, maps it)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[index] if index < len(visible) else str(index)
 
 
 def _one_line(text, limit: int = 500) -> str:
@@ -65,11 +72,14 @@ class Worker:
     """A solution's sandboxed process. `request` returns ("ok", header, tensors) or (status, one-line log, None);
     `fatal` is set once the worker timed out, died or sent a malformed reply (it is then stopped)."""
 
-    def __init__(self, sol: Solution, defn: Definition, device: str, timeout_s: float, hide: list[Path]):
+    def __init__(self, sol: Solution, defn: Definition, device: str, timeout_s: float, hide: list[Path],
+                 gpu: int | None = None):
         self.sol, self.defn, self.device, self.timeout_s = sol, defn, device, timeout_s
         self.files = sol.files(defn)                        # read, and hashed, before anything of it runs
         self.sha256 = sandbox.files_sha256(self.files)
         env = {"TRITON_INTERPRET": "1"} if device == "cpu" and sol.language == "triton" else {}
+        if gpu is not None and device == "cuda":             # the worker sees that one GPU, as "cuda"
+            env["CUDA_VISIBLE_DEVICES"] = physical_gpu(gpu)
         self.box = sandbox.Sandbox(sol.name.strip("<>"), self.files, self.sha256, hide, env)
         self.proc: subprocess.Popen | None = None
         self.load_error: str | None = None
@@ -261,8 +271,8 @@ class Calibration:
     is the loop's overhead, which the clock check subtracts. Measured before the solution's worker starts, so that
     no solution process exists to slow it down."""
 
-    def __init__(self, defn: Definition, device: str, settings: Settings, hide: list[Path]):
-        self.defn, self.device, self.settings, self.hide = defn, device, settings, hide
+    def __init__(self, defn: Definition, device: str, settings: Settings, hide: list[Path], gpu: int | None = None):
+        self.defn, self.device, self.settings, self.hide, self.gpu = defn, device, settings, hide, gpu
         self.walls: dict[tuple, tuple[float, float]] = {}
         self.loops: dict[tuple, object] = {}
         self.worker: Worker | None = None
@@ -272,7 +282,7 @@ class Calibration:
         key = _key(axes, n_calls, pool_programs)
         if self.worker is None:
             self.worker = Worker(null_solution(self.defn), self.defn, self.device, self.settings.timeout_s,
-                                 self.hide)
+                                 self.hide, self.gpu)
         n_programs = math.prod(pristine[batched[0]].shape[:n_prefix])
         rows = torch.arange(pool_programs, device=next(iter(pristine.values())).device) % n_programs
         pool = {k: (timing.flat_programs(v, n_prefix).index_select(0, rows).reshape(-1, *v.shape[1:])
@@ -332,11 +342,14 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
              settings: Settings = Settings(), hide: tuple[Path, ...] = (),
              on_result: Callable[[Result], None] = lambda r: None, timed: bool | None = None,
              run_seed: int | None = None, keep_going: bool = False,
-             calibration: Calibration | None = None) -> list[Result]:
+             calibration: Calibration | None = None, gpu: int | None = None) -> list[Result]:
     """Judge one solution on each workload, on its committed inputs and on fresh inputs drawn from `run_seed` (a
     fresh random seed when None); on a GPU, time the ones that pass on fresh inputs, every timed call judged, each
     against the memory floor at settings.bandwidth (bytes/s; measured now if not set). The blobs are under `root`;
-    the solution's worker sees neither `root` nor the folders in `hide` (the project's)."""
+    the solution's worker sees neither `root` nor the folders in `hide` (the project's). With `gpu` (a run over
+    several GPUs, device "cuda"), this thread and the worker use that GPU alone."""
+    if gpu is not None and device == "cuda":
+        torch.cuda.set_device(gpu)          # this thread's tensors, judge and clock on that GPU
     timed = device == "cuda" if timed is None else timed
     if timed and settings.bandwidth is None:
         settings = settings.replace(bandwidth=timing.copy_bandwidth(device))
@@ -345,8 +358,9 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
     hide = [Path(root).resolve(), *(Path(h).resolve() for h in hide)]
     own_calibration = timed and calibration is None
     if own_calibration:
-        calibration = Calibration(defn, device, settings, hide)
-    worker = Worker(sol, defn, device, settings.timeout_s, hide)
+        calibration = Calibration(defn, device, settings, hide, gpu)
+    worker = Worker(sol, defn, device, settings.timeout_s, hide, gpu)
+    where = device if gpu is None else f"{device}:{gpu}"
     results, stopped = [], None
     try:
         if timed:
@@ -355,7 +369,7 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
             except HarnessError as e:           # no overhead to check a clock against: no figure can be trusted
                 timed, stopped = False, (RUNTIME_ERROR, f"not timed: {e}"[:400])
         for w in workloads:
-            result = Result(sol.name, w, PASSED, isolation=worker.isolation, sha256=worker.sha256)
+            result = Result(sol.name, w, PASSED, isolation=worker.isolation, sha256=worker.sha256, device=where)
             if stopped:
                 result.status, result.log = stopped
             else:

@@ -41,7 +41,8 @@ def trace_record(r: Result, env: dict, reference_latency_ms: float | None, sourc
         performance = Performance(latency_ms=r.latency_ms if timed else 0.0, reference_latency_ms=ref,
                                   speedup_factor=ref / r.latency_ms if timed and ref else 0.0,
                                   floor_ms=r.floor_ms if timed else None, clock=r.clock or None)
-    evaluation = Evaluation(status=r.status, environment=Environment(**env, sandbox=r.isolation),
+    environment = Environment(**env, sandbox=r.isolation, device=r.device or None)
+    evaluation = Evaluation(status=r.status, environment=environment,
                             timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"), log=r.log,
                             correctness=correctness, performance=performance)
     return Trace(definition=w.definition, workload=TraceWorkload(uuid=w.uuid, axes=w.axes, inputs=w.inputs),

@@ -132,3 +132,47 @@ def test_wrong_calling_style_says_which_to_set(tmp_project, capsys, dps):
                      "--no-traces", "--project", str(tmp_project.root)]) == 1
     expected = f'set "destination_passing_style": {"false" if dps else "true"}'
     assert expected in capsys.readouterr().out
+
+
+# each call notes (pid, start, end) in the solution's home, the one place a worker may write
+NOTES_ITS_CALLS = """import os, time
+from flush import run as flush
+
+WORKER = os.urandom(8).hex()            # each sandbox has its own pid namespace: every worker is pid 2
+
+
+def run(*x):
+    start = time.time()
+    out = flush(*x)
+    time.sleep(1.0)
+    with open(os.path.expanduser(f"~/calls_{WORKER}"), "a") as f:
+        f.write(f"{start} {time.time()}\\n")
+    return out
+"""
+
+
+def test_devices_run_workers_concurrently_with_the_verdicts_of_one(tmp_project, tmp_path, monkeypatch, capsys):
+    """--devices cpu,cpu deals a solution's workloads to two workers at once: their calls overlap in time, and the
+    table is the one a single worker gives."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    make_solution(tmp_project.solutions, "noted", NOTES_ITS_CALLS)
+    flags = ["--solution", "noted", "--batch-sizes", "1", "--families", "edge,random,second_window,trajectory",
+             "--no-traces", "--run-seed", "5", "--project", str(tmp_project.root)]
+    tables = []
+    for devices in (["--device", "cpu"], ["--devices", "cpu,cpu"]):
+        assert run.main(flags + devices) == 0
+        out = capsys.readouterr().out
+        tables.append([line.split()[:5] for line in out.splitlines() if line.startswith("noted ")][-4:])
+    assert tables[0] == tables[1] and all(row[3] == "PASSED" for row in tables[0]), tables
+    logs = sorted((tmp_path / "cache").rglob("calls_*"), key=lambda p: p.stat().st_mtime)[-2:]
+    spans = [[tuple(map(float, line.split())) for line in p.read_text().splitlines()] for p in logs]
+    assert len(logs) == 2 and all(len(s) == 4 for s in spans), spans        # 2 workloads x 2 calls a worker
+    (a0, a1), (b0, b1) = (spans[0][0][0], spans[0][-1][1]), (spans[1][0][0], spans[1][-1][1])
+    assert a0 < b1 and b0 < a1                                               # the two workers ran at once
+
+
+def test_devices_refuses_what_it_cannot_use(capsys):
+    for devices, message in (("cuda:0,cuda:0", "distinct"), ("gpu", "give 'all'")):
+        assert run.main(["--solution", "torch_v1", "--devices", devices, "--no-traces"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
