@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run over several devices at once, one worker each, a solution's workloads dealt among them "
                         "(timing stays one job per GPU): 'all' (every GPU torch sees), 'cuda:0,cuda:1,...', or "
                         "'cpu,cpu' (several CPU workers); overrides --device")
+    p.add_argument("--ray", metavar="auto|ADDRESS",
+                   help="run the jobs on a Ray cluster (pip install -e \".[cluster]\"): each a task holding one whole "
+                        "GPU (one CPU where the cluster has none), on the nodes' copy of the project at the same path; "
+                        "overrides --device and --devices"),
     cli.add_timeout(p, help="seconds per call before TIMEOUT; a solution's first timeout or dead worker ends its run: "
                             "its remaining workloads are reported without running")
     p.add_argument("--keep-going", action="store_true",
@@ -176,7 +180,15 @@ def main(argv=None) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     try:
-        device, slots = resolve_devices(args.devices, resolve_device(args.device) if args.devices is None else None)
+        cluster_env = None
+        if args.ray is not None:
+            if args.seed is not None:
+                raise HarnessError("--ray with --seed: fresh workloads are drawn into a local folder; run --seed here")
+            from harness import cluster
+            device, cluster_slots, cluster_env = cluster.connect(args.ray)
+            slots = [None]
+        else:
+            device, slots = resolve_devices(args.devices, resolve_device(args.device) if args.devices is None else None)
         project = cli.project_of(args)
         competition = load_competition(project)
         settings = cli.settings_of(args, project)
@@ -195,7 +207,8 @@ def execute(args: argparse.Namespace) -> int:
         batch_sizes = args.batch_sizes or (chosen and chosen.batch_sizes) or (
             CPU_BATCH_SIZES if device == "cpu" and not args.workloads else None)
         families = args.families or (chosen and chosen.families) or None
-        workloads = select(load_workloads(defn, args.workloads or project.workload_file(defn)), batch_sizes, families)
+        workload_file = Path(args.workloads or project.workload_file(defn)).resolve()
+        workloads = select(load_workloads(defn, workload_file), batch_sizes, families)
         fresh = tempfile.TemporaryDirectory(prefix="harness_seed_") if args.seed is not None else None
         root = Path(fresh.name) if fresh else project.root
         if fresh:
@@ -213,10 +226,12 @@ def execute(args: argparse.Namespace) -> int:
         for sol in [s for s in solutions if s.language == "cuda"]:
             print(f"skipping {sol.name}: a CUDA solution needs a GPU", flush=True)
         solutions = [s for s in solutions if s.language != "cuda"]
-    env = traces.environment(device)
+    env = cluster_env or traces.environment(device)
     run_seed = args.run_seed if args.run_seed is not None else int.from_bytes(os.urandom(7), "little")
     on = device if slots == [None] else f"{len(slots)} x {device}" + (
         f" ({', '.join(f'cuda:{g}' for g in slots)})" if device == "cuda" else "")
+    if args.ray is not None:
+        on = f"a Ray cluster ({cluster_slots} x {device})"
     print(f"{defn.name}: {len(solutions)} solution(s) x {len(workloads)} workload(s) on {on} "
           f"({env['hardware']}), run seed {run_seed}"
           + (f", fresh inputs from base seed {args.seed}, not timed" if fresh else ""), flush=True)
@@ -230,24 +245,31 @@ def execute(args: argparse.Namespace) -> int:
         if None in reference_ms.values():
             print("timing the reference too, for the speedups", flush=True)
             solutions.insert(0, load_solution(REFERENCE, defn, project.solutions))
-    # one copy rate for the whole run, so that every solution's floor in it is the same
-    if timed and settings.bandwidth is None:
+    # one copy rate for the whole run, so that every solution's floor in it is the same (on a cluster each job
+    # measures its own: the driver may have no GPU)
+    local = args.ray is None
+    if timed and settings.bandwidth is None and local:
         settings = settings.replace(bandwidth=timing.copy_bandwidth(device))
     hidden = [root, project.root]
-    calibrations = [Calibration(defn, device, settings, hidden, gpu) if timed else None for gpu in slots]
+    calibrations = [Calibration(defn, device, settings, hidden, gpu) if timed and local else None for gpu in slots]
     results: list[Result] = []
     for sol in solutions:
         todo = workloads
         if sol.name == REFERENCE and reference_ms:
             todo = [w for w in workloads if reference_ms[w.uuid] is None]
-        if timed:
+        if timed and local:
             others = timing.gpu_processes(device)
             env["gpu_other_processes"] = others
             if others:
                 print(f"WARNING: other processes use the GPU while {sol.name} is timed: {others}", flush=True)
-        done = evaluate_over(slots, calibrations, defn, sol, todo, device, root=root, settings=settings,
-                             hide=(project.root,), timed=timed, run_seed=run_seed, keep_going=args.keep_going,
-                             on_result=_progress(sol.name, len(todo), op.WORDING.score_label))
+        progress = _progress(sol.name, len(todo), op.WORDING.score_label)
+        if local:
+            done = evaluate_over(slots, calibrations, defn, sol, todo, device, root=root, settings=settings,
+                                 hide=(project.root,), timed=timed, run_seed=run_seed, keep_going=args.keep_going,
+                                 on_result=progress)
+        else:
+            done = cluster.evaluate_on_cluster(cluster_slots, project, defn, sol, todo, device, workload_file,
+                                               settings, run_seed, timed, args.keep_going, progress)
         if sol.name == REFERENCE:
             reference_ms.update({r.workload.uuid: r.latency_ms for r in done})
         if trace_root is not None:
