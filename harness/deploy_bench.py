@@ -101,7 +101,8 @@ def check_state(defn, op, x: dict, count: torch.Tensor, state: dict) -> tuple[st
         return PASSED, ""
     batched, _ = program_layout(defn)
     inputs = {name: (t[due] if name in batched else t) for name, t in x.items()}
-    verdict = op.judge(inputs, tuple(got[name][due] for name in op.CHECKPOINT), defn.reference_run()(**inputs))
+    verdict = op.judge(inputs, tuple(got[name][due] for name in op.CHECKPOINT), defn.reference_run()(**inputs),
+                       defn.reference)
     if not verdict.passed:
         return INCORRECT_NUMERICAL, f"due checkpoints: {verdict.reason}"
     return PASSED, ""

@@ -440,7 +440,7 @@ def judge_call(defn, op, worker: Worker, inputs: dict, var_axes: dict) -> tuple[
     if header.get("modified") is not None:
         return RUNTIME_ERROR, f"the solution modified its input {str(header['modified'])[:40]!r}", None
     outputs = tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
-    verdict = op.judge(inputs, outputs, defn.reference_run()(**inputs))
+    verdict = op.judge(inputs, outputs, defn.reference_run()(**inputs), defn.reference)
     return (PASSED, "", verdict) if verdict.passed else (INCORRECT_NUMERICAL, verdict.reason, verdict)
 
 
@@ -491,7 +491,7 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
             return
         inputs = programs.calls(op, index, variants, first, count)
         outs = tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
-        verdict = op.judge(inputs, outs, reference(**inputs))
+        verdict = op.judge(inputs, outs, reference(**inputs), defn.reference)
         if not verdict.passed:
             # the schedule seed with the run seed (in the trace) rebuilds these calls' inputs: timing.draw_calls
             result.status, result.log = INCORRECT_NUMERICAL, f"timed calls {first}-{first + count - 1}: " \

@@ -8,7 +8,8 @@ repository root (so that this checkout's harness is the one imported):
 
 Every variant computes the same math as the reference. A variant that fails means the criterion cannot tell a
 reordering of the reference from a wrong kernel on that workload: a kernel's margin there is a draw, not a design
-property (cuda_v1/NOTES.md, "Session 10").
+property (docs/operator.md, section 5). The judge itself measures a head over the ratio against these orderings
+before it fails it; this script shows the plain criterion's margin.
 """
 import argparse
 import sys
@@ -17,31 +18,12 @@ import tempfile
 from harness import HarnessError, cli
 from harness.definition import project_definition
 from harness.ops import load_op
+from harness.ops.leapquant_kda_flush.criterion import ORDERINGS, ordering_run
 from harness.workloads import load_inputs, load_workloads, make_workload, select
 
-# name -> edits of the reference's code string (old, new): every occurrence of old is replaced, and one must exist
-VARIANTS = {
-    "reference, run again": [],
-    "S^T q0 as (q0^T S)^T": [("qk = _mgs(x @ q0)",
-                              "qk = _mgs((q0.transpose(-1, -2) @ x.transpose(-1, -2)).transpose(-1, -2))")],
-    "S qk as (qk^T S^T)^T": [("qv = _mgs(x.transpose(-1, -2) @ qk)",
-                              "qv = _mgs((qk.transpose(-1, -2) @ x).transpose(-1, -2))")],
-    "u as (qv^T S)^T": [("uk = x @ qv", "uk = (qv.transpose(-1, -2) @ x.transpose(-1, -2)).transpose(-1, -2)")],
-    "fp64 up to the fp16 tokens": [(".float()", ".double()"), ("x @ q0", "x @ q0.double()"),
-                                   ('"bhj,bhjv,bhjk->bhvk", w,', '"bhj,bhjv,bhjk->bhvk", w.double(),'),
-                                   ("torch.exp(pcum)", "torch.exp(pcum.double())")],
-}
-
-
-def variant_run(code: str, edits: list[tuple[str, str]], name: str):
-    """The reference's `run` with `edits` applied to its code string."""
-    for old, new in edits:
-        if old not in code:
-            raise SystemExit(f"variant {name!r}: {old!r} is not in the reference code (the definition changed?)")
-        code = code.replace(old, new)
-    namespace = {"__name__": f"reference_variant_{name}"}
-    exec(compile(code, f"<variant {name}>", "exec"), namespace)
-    return namespace["run"]
+# name -> edits of the reference's code string (old, new): the reference itself, and the equivalent orderings the
+# judge also measures a head against before it fails it on the ratio
+VARIANTS = {"reference, run again": [], **ORDERINGS}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,13 +45,13 @@ def main(argv=None) -> int:
         defn = project_definition(project, args.definition)
         op = load_op(defn.op_type)
         reference = defn.reference_run()
-        runs = {name: variant_run(defn.reference, edits, name) for name, edits in VARIANTS.items()}
+        runs = {name: ordering_run(defn.reference, edits, name) for name, edits in VARIANTS.items()}
         chosen = select(load_workloads(defn, project.workload_file(defn)), args.batch_sizes, args.families)
         fresh = tempfile.TemporaryDirectory(prefix="reference_reorder_") if args.seed is not None else None
         root = fresh.name if fresh else project.root
         if fresh:
             chosen = [make_workload(defn, w.family, w.axes, args.seed, root=root, device=device) for w in chosen]
-    except (HarnessError, SystemExit) as e:
+    except (HarnessError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     dtypes = [spec.torch_dtype for spec in defn.outputs.values()]

@@ -61,8 +61,10 @@ class Operator(Protocol):
                     params: dict | None = None) -> dict:
         """A pure function of its arguments; ValueError for params the family does not take."""
 
-    def judge(self, inputs: dict, outputs: tuple, reference_outputs: tuple) -> Verdict:
-        """Outputs already shape and dtype checked."""
+    def judge(self, inputs: dict, outputs: tuple, reference_outputs: tuple, reference_code: str | None = None
+              ) -> Verdict:
+        """Outputs already shape and dtype checked; reference_code is the definition's (the operator may run it in
+        other, equivalent forms)."""
 
     def draw_variants(self, n: int, axes: dict, generator: Any) -> dict:
         """harness.timing: the parameters of n symmetries, one per timed call, drawn from generator."""
