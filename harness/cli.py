@@ -187,18 +187,16 @@ def add_family(p, default: str, help: str | None = None) -> None:
 
 
 def add_timeout(p, help: str | None = None) -> None:
-    """--timeout S: read back into the run's Settings with settings_of(args, project)."""
+    """--timeout S: read back into the run's Settings with settings_of(args, competition)."""
     p.add_argument("--timeout", type=positive_float, metavar="S",
                    help=(help or "seconds per call before TIMEOUT")
                    + f" (default: the competition file's timeout_s, else {Settings.timeout_s:g})")
 
 
-def settings_of(args: argparse.Namespace, project: Project) -> Settings:
-    """The run's Settings: the project's competition.yaml (harness.competition), with what the command line set
-    (--timeout) over it."""
-    from harness.competition import load_competition
-
-    settings = load_competition(project).settings
+def settings_of(args: argparse.Namespace, competition) -> Settings:
+    """The run's Settings: the competition's (harness.competition.load_competition), with what the command line
+    set (--timeout) over it."""
+    settings = competition.settings
     if getattr(args, "timeout", None) is not None:
         settings = settings.replace(timeout_s=args.timeout)
     return settings

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from harness import HarnessError
 from harness.project import Project, Settings
-from harness.runner import RUNTIME_ERROR, Result
+from harness.runner import RUNTIME_ERROR, Result, deal
 
 
 def _ray():
@@ -94,11 +94,10 @@ def evaluate_on_cluster(slots: int, project: Project, defn, sol, todo: list, dev
     each reported to `on_result` as its job ends."""
     ray = _ray()
     task = _task(ray, device)
-    shares = [todo[i::slots] for i in range(min(slots, len(todo)))]
     pending = {task.remote(_evaluate_share, str(project.root), defn.name, str(project.solutions), sol.name,
                            str(workload_file), [w.uuid for w in share], device, settings, run_seed, timed,
                            keep_going): share
-               for share in shares}
+               for share in deal(todo, slots)}
     done: dict[str, Result] = {}
     while pending:
         [ready], _ = ray.wait(list(pending), num_returns=1)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from harness import HarnessError, cli, deploy, timing, traces
+from harness.competition import load_competition
 from harness.definition import project_definition
 from harness.ops import load_op
 from harness.project import Settings
@@ -165,7 +166,7 @@ def execute(args: argparse.Namespace) -> int:
             raise HarnessError("the deployment benchmark needs a GPU: torch sees none (--device cpu judges untimed)")
         device = cli.resolve_device(args.device, "one untimed call a case, judged")
         project = cli.project_of(args)
-        settings = cli.settings_of(args, project)
+        settings = cli.settings_of(args, load_competition(project))
         defn = project_definition(project, args.definition)
         op = load_op(defn.op_type)
         sol = load_solution(args.solution, defn, project.solutions)

@@ -15,6 +15,7 @@ from tabulate import tabulate
 
 from harness import HarnessError, cli, traces
 from harness.cli import resolve_device
+from harness.competition import load_competition
 from harness.definition import project_definition
 from harness.project import Project
 from harness.ops import load_op
@@ -62,7 +63,7 @@ def execute(args: argparse.Namespace) -> int:
         op = load_op(defn.op_type)
         sol = load_solution(args.solution, defn, project.solutions)
         axes = defn.resolve_axes({"batch_size": args.batch_size})
-        settings = cli.settings_of(args, project)
+        settings = cli.settings_of(args, load_competition(project))
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

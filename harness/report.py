@@ -30,7 +30,7 @@ from harness.records import (RECORDS, DeployRecord, DriftRecord, EvaluationStatu
 from harness.solutions import discover, load_solution, source_sha256
 from harness.project import LEADERBOARD_FILE, PLOT_FILE, Project
 from harness.traces import load_traces, read_traces
-from harness.workloads import load_workloads
+from harness.workloads import load_workloads, select
 
 PASSED = EvaluationStatus.PASSED
 FAST_P = (1, 10, 30, 100)
@@ -60,19 +60,13 @@ def leaderboard(op: Operator, project: Project, root: Path | None = None) -> tup
     for name in competition.definitions or sorted(project.definition_names()):
         defn = find_definition(name, project.definitions)
         path = project.workload_file(defn)
-        workloads = load_workloads(defn, path) if path.exists() else []
-        ranked[name] = {w.uuid: w for w in workloads
-                        if (competition.ranking.batch_sizes is None or _batch_of(w) in competition.ranking.batch_sizes)
-                        and (competition.ranking.families is None or w.family in competition.ranking.families)}
+        ranked[name] = {w.uuid: w for w in select(load_workloads(defn, path), competition.ranking.batch_sizes,
+                                                   competition.ranking.families)} if path.exists() else {}
     return build(traces, op, current, **records, ranking=competition.ranking, ranked=ranked)
 
 
 def _batch(t: Trace) -> int:
     return t.workload.axes["batch_size"]
-
-
-def _batch_of(w) -> int:
-    return w.axes["batch_size"]
 
 
 def _speedups(traces: list[Trace]) -> list[float]:

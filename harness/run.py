@@ -23,7 +23,7 @@ from harness.competition import load_competition
 from harness.definition import project_definition
 from harness.ops import Operator, load_op
 from harness.runner import (COMPILE_ERROR, INCORRECT_DTYPE, INCORRECT_NUMERICAL, INCORRECT_SHAPE, PASSED,
-                            RUNTIME_ERROR, TIMEOUT, Calibration, Result, evaluate)
+                            RUNTIME_ERROR, TIMEOUT, Calibration, Result, deal, evaluate)
 from harness.solutions import REFERENCE, SolutionError, discover, load_solution
 from harness.workloads import load_workloads, make_workload, select
 
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", metavar="auto|ADDRESS",
                    help="run the jobs on a Ray cluster (pip install -e \".[cluster]\"): each a task holding one whole "
                         "GPU (one CPU where the cluster has none), on the nodes' copy of the project at the same path; "
-                        "overrides --device and --devices"),
+                        "overrides --device and --devices")
     cli.add_timeout(p, help="seconds per call before TIMEOUT; a solution's first timeout or dead worker ends its run: "
                             "its remaining workloads are reported without running")
     p.add_argument("--keep-going", action="store_true",
@@ -75,10 +75,8 @@ def resolve_device(choice: str) -> str:
     return cli.resolve_device(choice, "Triton through the interpreter, batch sizes 1,2 by default, not timed")
 
 
-def resolve_devices(text: str | None, device: str) -> tuple[str, list[int | None]]:
-    """(device kind, one slot per worker: a GPU index, or None for the CPU or the one default GPU) from --devices."""
-    if text is None:
-        return device, [None]
+def resolve_devices(text: str) -> tuple[str, list[int | None]]:
+    """(device kind, one slot per worker: a GPU index, or None for a CPU worker) from --devices."""
     import torch
 
     if text.strip() == "all":
@@ -105,10 +103,9 @@ def evaluate_over(slots: list[int | None], calibrations: list, defn, sol, todo, 
     of `todo`; one slot runs in this thread."""
     if len(slots) == 1:
         return evaluate(defn, sol, todo, device, calibration=calibrations[0], gpu=slots[0], **kwargs)
-    shards = [todo[i::len(slots)] for i in range(len(slots))]
     with ThreadPoolExecutor(len(slots), thread_name_prefix="device") as pool:
-        futures = [pool.submit(evaluate, defn, sol, shard, device, calibration=calibration, gpu=gpu, **kwargs)
-                   for shard, gpu, calibration in zip(shards, slots, calibrations) if shard]
+        futures = [pool.submit(evaluate, defn, sol, share, device, calibration=calibration, gpu=gpu, **kwargs)
+                   for share, gpu, calibration in zip(deal(todo, len(slots)), slots, calibrations)]
         done = {r.workload.uuid: r for f in futures for r in f.result()}
     return [done[w.uuid] for w in todo]
 
@@ -187,11 +184,13 @@ def execute(args: argparse.Namespace) -> int:
             from harness import cluster
             device, cluster_slots, cluster_env = cluster.connect(args.ray)
             slots = [None]
+        elif args.devices is not None:
+            device, slots = resolve_devices(args.devices)
         else:
-            device, slots = resolve_devices(args.devices, resolve_device(args.device) if args.devices is None else None)
+            device, slots = resolve_device(args.device), [None]
         project = cli.project_of(args)
         competition = load_competition(project)
-        settings = cli.settings_of(args, project)
+        settings = cli.settings_of(args, competition)
         defn = project_definition(project, args.definition)
         op = load_op(defn.op_type)
         solutions, unloadable = [], []

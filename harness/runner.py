@@ -338,6 +338,11 @@ def _timed_loop(op, worker: Worker, warm: dict, pool: dict, axes: dict, batched,
         yield status, header, (seed, timing.draw_calls(n_calls, n_programs, pool_programs, seed, op, axes, device))
 
 
+def deal(workloads: list, n: int) -> list[list]:
+    """The workloads dealt round-robin into at most n non-empty shares (a run over several devices or jobs)."""
+    return [share for share in (workloads[i::n] for i in range(n)) if share]
+
+
 def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device: str, *, root: str | Path,
              settings: Settings = Settings(), hide: tuple[Path, ...] = (),
              on_result: Callable[[Result], None] = lambda r: None, timed: bool | None = None,

@@ -27,6 +27,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from harness import HarnessError, cli, traces
 from harness.cli import resolve_device
+from harness.competition import load_competition
 from harness.definition import Definition, project_definition
 from harness.ops import load_op
 from harness.project import Project
@@ -201,8 +202,8 @@ def execute(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
         project = cli.project_of(args)
         defn = project_definition(project, args.definition)
-        search = Search(defn, args.solution, device, args.batch_size, cli.settings_of(args, project).timeout_s, project,
-                        args.solutions)
+        settings = cli.settings_of(args, load_competition(project))
+        search = Search(defn, args.solution, device, args.batch_size, settings.timeout_s, project, args.solutions)
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
