@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import textwrap
 from typing import Callable
+
+from tabulate import tabulate
 
 from harness import HarnessError
 from harness.project import Project, Settings
@@ -22,6 +25,21 @@ DEVICES = ("auto", "cuda", "cpu")
 EXIT_OK = 0             # everything asked for was done and every solution passed
 EXIT_FAILED = 1         # a solution failed (a workload not PASSED, a failure found, a check not met)
 EXIT_USAGE = 2          # bad usage or input: arguments, definition, solution, workload file
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+
+
+def cell(value) -> str:
+    """A table cell from anything a solution can influence (its name, an error it raised): one line, control
+    characters as spaces, `|` escaped, so that it can neither end its row nor add columns to a markdown table."""
+    return _CONTROL.sub(" ", str(value)).replace("|", "\\|")
+
+
+def table(rows, headers, tablefmt: str = "simple") -> str:
+    """rows as a table (tabulate; "github" for markdown) with every cell passed through `cell`, numbers as given."""
+    return tabulate([[cell(v) for v in row] for row in rows], headers=headers, tablefmt=tablefmt,
+                    disable_numparse=True)
 
 
 def exit_codes(failed: str | None = "a solution failed") -> str:

@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from harness import HarnessError, cli, deploy, timing, traces
+from harness import HarnessError, cli, deploy, timing, traces, wire
 from harness.competition import load_competition
 from harness.definition import project_definition
 from harness.ops import load_op
-from harness.project import Settings
+from harness.project import Settings, write_file
 from harness.records import DeployRecord
 from harness.runner import INCORRECT_NUMERICAL, PASSED, RUNTIME_ERROR, Worker, program_layout
 from harness.solutions import load_solution
@@ -130,7 +130,9 @@ def run_case(worker: Worker, defn, op, x: dict, counts, n_calls: int, warmup: in
     header = {"op": "deploy_case", "in_graph": in_graph, "warmup": warmup}
     tensors = {**x, "count": count.view(n_calls, B, *per_sequence).expand(n_calls, *programs).contiguous(),
                "slots": slots}
-    status, reply, state = worker.request(header, tensors, "running a deployment case")
+    # the state it returns is the pool the case ran on: at most the inputs' bytes (twice, for a wrong dtype)
+    state_bytes = 2 * sum(t.numel() * t.element_size() for t in x.values()) + wire.MAX_PADDING
+    status, reply, state = worker.request(header, tensors, "running a deployment case", state_bytes)
     if status != "ok":
         return status, reply, None, None
     timed = x[batched[0]].device.type == "cuda"
@@ -207,7 +209,7 @@ def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, 
     empty_us = None
     if timed:
         status, reply, _ = worker.request({"op": "deploy_empty", "calls": replays, "warmup": settings.replay_warmup},
-                                          None, "timing an empty graph")
+                                          None, "timing an empty graph", 0)
         if status != "ok" or not _latency(reply.get("empty_graph_us"), True):
             print(f"  empty kernel: {status if status != 'ok' else RUNTIME_ERROR}: "
                   f"{reply if status != 'ok' else 'malformed reply: no valid latency'}", flush=True)
@@ -256,7 +258,7 @@ def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, 
                           empty_graph_us=empty_us, rows=rows)
     path = Path(args.traces or project.traces) / defn.name / f"deploy_{worker.sol.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
+    write_file(path, json.dumps(record.to_json(), indent=1) + "\n")
     print(f"wrote {path}")
     return 0 if passed else 1
 

@@ -11,16 +11,14 @@ import json
 import sys
 from pathlib import Path
 
-from tabulate import tabulate
-
 from harness import HarnessError, cli, traces
 from harness.cli import resolve_device
 from harness.competition import load_competition
 from harness.definition import project_definition
-from harness.project import Project
+from harness.project import Project, write_file
 from harness.ops import load_op
 from harness.records import DriftRecord
-from harness.runner import PASSED, Worker, check_outputs
+from harness.runner import PASSED, Worker, check_outputs, reply_bytes
 from harness.solutions import load_solution
 
 DRIFT_SEED = 20261203
@@ -70,7 +68,8 @@ def execute(args: argparse.Namespace) -> int:
     worker = Worker(sol, defn, device, settings.timeout_s, hide=[project.root])
 
     def flush(**inputs):
-        status, header, tensors = worker.request({"op": "run", "axes": axes}, inputs)
+        status, header, tensors = worker.request({"op": "run", "axes": axes}, inputs, "running",
+                                                 reply_bytes(defn, axes))
         if status == "ok":
             status, header = check_outputs(defn, header.get("outputs"), tensors, axes, device)
         if status != PASSED:
@@ -93,10 +92,9 @@ def execute(args: argparse.Namespace) -> int:
         worker.close()
     worst = max(rows, key=lambda r: r["ratio"])
     print()
-    print(tabulate([[r["window"], f"{r['error']:.4g}", f"{r['reference_error']:.4g}", f"{r['ratio']:.4f}",
+    print(cli.table([[r["window"], f"{r['error']:.4g}", f"{r['reference_error']:.4g}", f"{r['ratio']:.4f}",
                      f"{r[score]:.4f}" if r[score] is not None else "-"] for r in rows],
-                   headers=["window", "error", "reference error", "ratio", op.WORDING.score_label],
-                   disable_numparse=True))
+                    ["window", "error", "reference error", "ratio", op.WORDING.score_label]))
     print(f"\nworst window {worst['window']}: ratio {worst['ratio']:.4f} (limit {limit})")
     if args.record:
         record = DriftRecord(definition=defn.name, solution=sol.name, solution_sha256=worker.sha256,
@@ -104,7 +102,7 @@ def execute(args: argparse.Namespace) -> int:
                              batch_size=args.batch_size, seed=args.seed, limit=limit, worst=worst, rows=rows)
         path = Path(args.traces or project.traces) / defn.name / f"drift_{sol.name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
+        write_file(path, json.dumps(record.to_json(), indent=1) + "\n")
         print(f"wrote {path}")
     return 0 if worst["ratio"] <= limit else 1
 

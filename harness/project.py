@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,26 @@ class ProjectError(HarnessError):
 
 class SettingError(ProjectError, ValueError):
     """A setting out of range (a ValueError too, so that a competition file's validation names its key)."""
+
+
+def write_file(path: str | Path, text: str) -> None:
+    """Replace the file at `path` with `text` in one step (a temporary file beside it, then a rename), so that a full
+    disk or a crash leaves the old file whole rather than a truncated one; ProjectError with one line when it cannot
+    be written."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(tmp, 0o644)            # mkstemp's 0600 is for the half-written file only
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise ProjectError(f"{path}: cannot be written ({e.strerror or type(e).__name__})") from None
 
 
 @dataclass(frozen=True)

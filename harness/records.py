@@ -19,6 +19,10 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StringConstraint
 from harness import HarnessError
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+# a solution's name is a folder name, a file name under traces/ and a table cell: no separators, no control
+# characters, no markdown
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+SolutionName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 NonNegative = Annotated[int, Field(ge=0, strict=True)]
 DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int64", "int32",
                "int16", "int8", "uint8", "bool")       # FlashInfer-bench's names: torch's, without "torch."
@@ -133,7 +137,7 @@ class BuildSpec(Strict):
 
 
 class SolutionRecord(Strict):
-    name: NonEmpty
+    name: SolutionName
     definition: NonEmpty
     author: NonEmpty
     description: str | None = None

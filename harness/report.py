@@ -19,8 +19,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from tabulate import tabulate
-
 from harness import HarnessError, cli
 from harness.competition import Ranking, load_competition
 from harness.definition import find_definition, project_definition
@@ -28,7 +26,7 @@ from harness.ops import Operator, load_op
 from harness.records import (RECORDS, DeployRecord, DriftRecord, EvaluationStatus, SolutionRun, StressRecord, Trace,
                              parse, read_json)
 from harness.solutions import discover, load_solution, source_sha256
-from harness.project import LEADERBOARD_FILE, PLOT_FILE, Project
+from harness.project import LEADERBOARD_FILE, PLOT_FILE, Project, write_file
 from harness.traces import load_traces, read_traces
 from harness.workloads import load_workloads, select
 
@@ -123,7 +121,7 @@ def _records_section(title: str, intro: str, nothing_yet: str, headers: list[str
     parts = [f"## {title}", "", intro, ""]
     if not rows:
         return parts + [f"Nothing recorded yet: {nothing_yet}", ""]
-    return parts + [tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), ""]
+    return parts + [cli.table(rows, headers, "github"), ""]
 
 
 def deployment_section(records: list[DeployRecord], current: dict, op: Operator) -> list[str]:
@@ -221,12 +219,11 @@ def _hardware_tables(hardware: str, ts: list[Trace], definition: str, current: d
                 if floor and b not in dict(series["memory floor"]):
                     series["memory floor"].append((b, floor))
     return [f"### {hardware}", "", "#### Summary", "",
-            tabulate(summary, headers=["solution", "measured sources", "isolation", "workloads", "passed",
-                                       "geomean speedup"] + [f"fast_{p}" for p in FAST_P],
-                     tablefmt="github", disable_numparse=True), "",
+            cli.table(summary, ["solution", "measured sources", "isolation", "workloads", "passed",
+                                "geomean speedup"] + [f"fast_{p}" for p in FAST_P], "github"), "",
             "#### Per batch size", "",
-            tabulate(rows, headers=["solution", "B", "status", "latency us", "x floor", "speedup",
-                                    op.WORDING.score_label], tablefmt="github", disable_numparse=True), ""]
+            cli.table(rows, ["solution", "B", "status", "latency us", "x floor", "speedup",
+                             op.WORDING.score_label], "github"), ""]
 
 
 def ranking_section(traces: list[Trace], ranking: Ranking, ranked: dict, stress: list[StressRecord],
@@ -269,8 +266,7 @@ def ranking_section(traces: list[Trace], ranking: Ranking, ranked: dict, stress:
                 rank += row[3] == "ranked"
                 row.insert(0, str(rank) if row[3] == "ranked" else "-")
             parts += [f"### {definition} on {hardware}", "",
-                      tabulate(rows, headers=["rank", "solution", "score", "passed", "gates"], tablefmt="github",
-                               disable_numparse=True), ""]
+                      cli.table(rows, ["rank", "solution", "score", "passed", "gates"], "github"), ""]
             tables += 1
     if not tables:
         parts += ["Nothing to rank yet: no timed traces of the ranking workloads.", ""]
@@ -356,15 +352,14 @@ def ci_report(defn, cpu_root: Path, project: Project, root: Path | None = None) 
     parts = [f"# CI report: {defn.name}", "", "## CPU verdicts", "",
              "`python -m harness.run --device cpu`: every family at the small batch sizes a CPU run takes (Triton "
              "through its interpreter).",
-             "", tabulate(verdicts, headers=["solution", "language", "CPU verdict"], tablefmt="github",
-                          disable_numparse=True), "",
+             "", cli.table(verdicts, ["solution", "language", "CPU verdict"], "github"), "",
              "## Committed GPU standings", "", "From the committed traces (LEADERBOARD.md has the detail).", "",
-             tabulate(standings, headers=["solution", "measured sources", "workloads", "passed",
-                                          "geomean speedup"], tablefmt="github", disable_numparse=True), "",
+             cli.table(standings, ["solution", "measured sources", "workloads", "passed", "geomean speedup"],
+                       "github"), "",
              "## Pending GPU", ""]
     if pending:
         parts += ["These need `bash scripts/gpu_session.sh NAME` on a GPU and the traces it writes committed:", "",
-                  tabulate(pending, headers=["solution", "why"], tablefmt="github", disable_numparse=True), ""]
+                  cli.table(pending, ["solution", "why"], "github"), ""]
     else:
         parts += ["None: every solution's GPU traces were measured on its current sources.", ""]
     return "\n".join(parts)
@@ -436,7 +431,7 @@ def execute(args: argparse.Namespace) -> int:
         except HarnessError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        Path(args.ci_report).write_text(text)
+        write_file(args.ci_report, text)
         print(text)
         return 0
     if args.check:
@@ -451,7 +446,7 @@ def execute(args: argparse.Namespace) -> int:
               "(--out elsewhere, or --force)", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    board.write_text(text)
+    write_file(board, text)
     if series:
         plot(series, op.WORDING.batch_unit.format(**defn.const_axes), picture)
     print(f"wrote {board}" + (f" and {picture}" if series else ""))

@@ -15,7 +15,6 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tabulate import tabulate
 from tqdm import tqdm
 
 from harness import HarnessError, cli, sandbox, timing, traces
@@ -126,8 +125,8 @@ def table(results: list[Result], op: Operator, unloadable: list[tuple[str, str]]
                      f"{r.floor_ms * 1e3:.1f}" if r.floor_ms else "-",
                      f"{r.latency_ms / r.floor_ms:.2f}" if r.latency_ms is not None and r.floor_ms else "-",
                      r.log[:90]])
-    return tabulate(rows, headers=["solution", "B", "family", "status", op.WORDING.score_label, "latency us",
-                                   "floor us", "x floor", "log"], disable_numparse=True)
+    return cli.table(rows, ["solution", "B", "family", "status", op.WORDING.score_label, "latency us",
+                            "floor us", "x floor", "log"])
 
 
 def _failed_to_load(solution: str, results: list[Result]) -> bool:
@@ -252,6 +251,7 @@ def execute(args: argparse.Namespace) -> int:
     hidden = [root, project.root]
     calibrations = [Calibration(defn, device, settings, hidden, gpu) if timed and local else None for gpu in slots]
     results: list[Result] = []
+    unwritten: list[str] = []
     for sol in solutions:
         todo = workloads
         if sol.name == REFERENCE and reference_ms:
@@ -273,19 +273,23 @@ def execute(args: argparse.Namespace) -> int:
             reference_ms.update({r.workload.uuid: r.latency_ms for r in done})
         if trace_root is not None:
             records = [traces.trace_record(r, env, reference_ms.get(r.workload.uuid), r.sha256) for r in done]
-            for path in traces.write_traces(records, trace_root):
-                print(f"  wrote {path}", flush=True)
+            try:
+                for path in traces.write_traces(records, trace_root):
+                    print(f"  wrote {path}", flush=True)
+            except HarnessError as e:       # a full disk: this solution's records are lost, not the others'
+                print(f"{cli.cell(sol.name)}: traces not written: {e}", flush=True)
+                unwritten.append(sol.name)
         results += done
     for calibration in calibrations:
         if calibration is not None:
             calibration.close()
     for name, log in unloadable:
-        print(f"{name}: {COMPILE_ERROR}: {log}", flush=True)
+        print(f"{cli.cell(name)}: {COMPILE_ERROR}: {log}", flush=True)
     print()
     print(table(results, op, unloadable))
     print()
     print(summary(results, unloadable, len(workloads)), flush=True)
-    return 0 if all(r.status == PASSED for r in results) and not unloadable else 1
+    return 0 if all(r.status == PASSED for r in results) and not unloadable and not unwritten else 1
 
 
 if __name__ == "__main__":

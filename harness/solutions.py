@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from harness import HarnessError, sandbox
 from harness.definition import Definition
-from harness.records import ENTRY_POINT, SolutionRecord, parse, read_json
+from harness.records import ENTRY_POINT, NAME_PATTERN, SolutionRecord, parse, read_json
 
 REFERENCE = "reference"
 NULL = "<null>"             # the harness's own do-nothing solution: the timed loop's overhead
@@ -92,6 +93,9 @@ def load_solution(name: str, defn: Definition, root: str | Path) -> Solution:
     """The solution `name` (a folder under `root`, a project's solutions/, or "reference"), its record checked."""
     if name == REFERENCE:
         return reference_solution(defn)
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise SolutionError(f"solution {name!a}: not a solution name (a letter or digit, then letters, digits, "
+                            "'_', '.' or '-', at most 64)")
     folder = Path(root) / name
     path = folder / "solution.json"
     if not path.is_file():

@@ -30,7 +30,7 @@ from harness.cli import resolve_device
 from harness.competition import load_competition
 from harness.definition import Definition, project_definition
 from harness.ops import load_op
-from harness.project import Project
+from harness.project import Project, write_file
 from harness.records import StressRecord
 from harness.runner import COMPILE_ERROR, PASSED, Worker, judge_call, program_layout
 from harness.solutions import load_solution
@@ -236,7 +236,7 @@ def execute(args: argparse.Namespace) -> int:
                               timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"), failures=rows)
         path = Path(args.traces or project.traces) / defn.name / f"stress_{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
+        write_file(path, json.dumps(record.to_json(), indent=1) + "\n")
         print(f"wrote {path}")
     return 1 if failures else 0
 

@@ -12,6 +12,7 @@ import torch
 from harness.records import (Correctness, Environment, Evaluation, Performance, Trace, TraceWorkload, decode_json,
                              parse)
 from harness.runner import INCORRECT_NUMERICAL, PASSED, Result
+from harness.project import write_file
 
 
 def environment(device: str) -> dict:
@@ -79,6 +80,5 @@ def write_traces(records: list[Trace], root: Path) -> list[Path]:
     for path, new in by_file.items():
         merged = {(t.workload.uuid, t.hardware): t for t in [*load_traces(new[0].definition, new[0].solution, root),
                                                             *new]}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(merged[k].to_json()) + "\n" for k in sorted(merged)))
+        write_file(path, "".join(json.dumps(merged[k].to_json()) + "\n" for k in sorted(merged)))
     return sorted(by_file)

@@ -22,7 +22,7 @@ import time
 import torch
 
 MAX_HEADER = 1 << 22
-MAX_TENSOR_BYTES = 1 << 36      # 64 GiB: the largest reply (the outputs of a timed chunk) is far below
+MAX_TENSOR_BYTES = 1 << 36      # 64 GiB: the worker's bound on the harness's (trusted) requests
 _LENGTH = struct.Struct("<Q")
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 # no bool: a byte other than 0 or 1 is not one
@@ -102,10 +102,10 @@ def _recv(sock: socket.socket, n: int, deadline: float, fds: list[int]) -> bytes
     return b"".join(chunks)
 
 
-def receive(sock: socket.socket, timeout_s: float,
-            max_bytes: int = MAX_TENSOR_BYTES) -> tuple[dict, dict[str, torch.Tensor]]:
+def receive(sock: socket.socket, timeout_s: float, max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """(header, tensors) of the next message. TimeoutError when it is not complete within timeout_s, EOFError when
-    the peer closed, WireError when it is malformed or its tensors take more than max_bytes."""
+    the peer closed, WireError when it is malformed or its tensors take more than max_bytes (the receiver's bound
+    for what it asked: 0 for a reply that carries no tensors; the tensors are copied into the receiver's memory)."""
     deadline = time.monotonic() + timeout_s
     fds: list[int] = []
     try:
@@ -164,8 +164,12 @@ def _unpack(specs: list, fd: int | None, max_bytes: int) -> dict[str, torch.Tens
                 raise WireError(f"tensor {name!r} sent twice")
             flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else \
                 torch.empty(0, dtype=torch.uint8)
-            tensors[name] = flat.clone().view(dtype).reshape(shape)
-            del flat
+            try:
+                tensors[name] = flat.clone().view(dtype).reshape(shape)
+            except (RuntimeError, MemoryError):
+                raise WireError(f"tensor {name!r} of {nbytes} bytes does not fit in memory") from None
+            finally:
+                del flat
     return tensors
 
 

@@ -63,7 +63,7 @@ def _load(msg: dict, defn) -> Solution:
 
 
 def serve(sock: socket.socket) -> None:
-    msg, _ = wire.receive(sock, WAIT_FOREVER)
+    msg, _ = wire.receive(sock, WAIT_FOREVER, wire.MAX_TENSOR_BYTES)
     device = msg["device"]
     if device == "cpu":
         # one intra-op thread: with more, torch's CPU matmuls came out with other roundings in about one start in
@@ -81,7 +81,7 @@ def serve(sock: socket.socket) -> None:
     loop = flush_inplace = None
     while True:
         try:
-            msg, tensors = wire.receive(sock, WAIT_FOREVER)
+            msg, tensors = wire.receive(sock, WAIT_FOREVER, wire.MAX_TENSOR_BYTES)
         except EOFError:
             return
         request = msg["op"]

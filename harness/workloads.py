@@ -19,6 +19,7 @@ from harness import HarnessError
 from harness.definition import Definition
 from harness.ops import load_op
 from harness.records import WorkloadLine, WorkloadSpec, decode_json, parse
+from harness.project import write_file
 
 DEFAULT_BATCH_SIZES = (1, 2, 16, 32, 64, 128, 256, 512)   # a family may name fewer (op.FAMILY_BATCH_SIZES)
 BASE_SEED = 20261202
@@ -115,9 +116,7 @@ def _check_tensors(defn: Definition, tensors: dict, axes: dict, where: str) -> N
 
 
 def save_workloads(path: str | Path, workloads: list[Workload]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(w.to_json()) + "\n" for w in workloads))
+    write_file(path, "".join(json.dumps(w.to_json()) + "\n" for w in workloads))
 
 
 def _parse_line(raw, defn: Definition, where: str) -> Workload:

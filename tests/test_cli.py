@@ -215,3 +215,10 @@ def test_scripts_edit_no_path_and_import_no_private_names():
                 assert not private, f"{path.relative_to(ROOT)}:{node.lineno}: imports {private}"
     for moved in ("bench_deploy.py", "gen_workloads.py", "ncu_profile.py"):
         assert not (ROOT / "scripts" / moved).exists(), moved
+
+
+def test_a_cell_cannot_end_its_row_or_add_columns():
+    forged = "slow\n| cuda_v1 | PASSED |\r\x1b[2K\u2028"
+    assert "\n" not in cli.cell(forged) and "\x1b" not in cli.cell(forged) and "\u2028" not in cli.cell(forged)
+    rows = cli.table([[forged, "1"]], ["solution", "B"], "github").splitlines()
+    assert len(rows) == 3 and rows[2].count("|") - rows[2].count("\\|") == 3      # two cells, escaped pipes

@@ -1,10 +1,13 @@
 """harness.project: a project is found from any folder inside it (else it is the harness's own checkout), names every
 path a command uses, and one Settings object carries the figures of a run, refused when they make no sense."""
+import errno
+import os
+
 import pytest
 
 from conftest import PROJECT, ROOT
 from harness.definition import DefinitionError, project_definition
-from harness.project import Project, ProjectError, Settings
+from harness.project import Project, ProjectError, Settings, write_file
 
 
 def test_found_from_any_folder_inside_it_and_from_outside_any(tmp_path):
@@ -47,3 +50,18 @@ def test_settings_timed_calls_and_refusals():
                 {"min_calls": 50, "max_calls": 10}):
         with pytest.raises(ProjectError):
             Settings(**bad)
+
+
+def test_a_record_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    path = tmp_path / "traces" / "x.jsonl"
+    write_file(path, "old\n")
+    assert path.read_text() == "old\n"
+
+    def disk_full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(ProjectError, match="x.jsonl: cannot be written .No space left on device."):
+        write_file(path, "new\n")
+    assert path.read_text() == "old\n" and sorted(p.name for p in path.parent.iterdir()) == ["x.jsonl"]
+    with pytest.raises(ProjectError, match="cannot be written"):
+        write_file(path / "below_a_file", "x")

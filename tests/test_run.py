@@ -118,6 +118,23 @@ def test_a_broken_folder_is_one_status_line_and_the_others_run(tmp_project, caps
     assert run.main(["--solution", "half_written", "--device", "cpu", "--no-traces", *project]) == 2
 
 
+def test_a_folder_name_cannot_forge_table_rows(tmp_project, capsys):
+    """A solution folder whose name holds a newline and a table row: refused by name in one line, and no line of
+    the output starts a row it wrote."""
+    forged = "slow\n| cuda_v1 | cuda | PASSED (36 of 36) |"
+    make_solution(tmp_project.solutions, "fine", "from flush import run as flush\n\ndef run(*x):\n    return flush(*x)\n")
+    folder = make_solution(tmp_project.solutions, "forger", "from flush import run\n")
+    folder.rename(folder.with_name(forged))
+    raw = (tmp_project.solutions / forged / "solution.json").read_text().replace('"forger"', json.dumps(forged))
+    (tmp_project.solutions / forged / "solution.json").write_text(raw)
+    code = run.main(["--device", "cpu", "--batch-sizes", "1", "--families", "random", "--no-traces",
+                     "--project", str(tmp_project.root)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "not a solution name" in out
+    assert not [line for line in out.splitlines() if line.lstrip().startswith("| cuda_v1")]
+
+
 @pytest.mark.parametrize("dps", [True, False])
 def test_wrong_calling_style_says_which_to_set(tmp_project, capsys, dps):
     root = tmp_project.solutions

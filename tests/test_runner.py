@@ -95,9 +95,9 @@ def test_cpu_worker_runs_one_intra_op_thread(defn, small, tmp_path):
 def test_compile_error_loads_once(defn, tmp_path):
     make_solution(tmp_path, "broken", "raise ImportError('no such toolchain')\n")
     worker = runner.Worker(load_solution("broken", defn, tmp_path), defn, "cpu", timeout_s=60, hide=[])
-    assert worker.request({"op": "run", "axes": {}}) == \
+    assert worker.request({"op": "run", "axes": {}}, None, "running", 0) == \
         (runner.COMPILE_ERROR, "ImportError: no such toolchain at main.py:1", None)
-    assert worker.request({"op": "run", "axes": {}})[0] == runner.COMPILE_ERROR
+    assert worker.request({"op": "run", "axes": {}}, None, "running", 0)[0] == runner.COMPILE_ERROR
     assert worker.proc is None                      # the second workload did not start (and fail) again
     worker.close()
 

@@ -228,23 +228,33 @@ import os
 
 from flush import run as flush
 
-REPO = {repo!r}
+REPO, SECRETS = {repo!r}, {secrets!r}
 
 
 def run(*x):
     if os.path.exists(REPO) and os.listdir(REPO):
         raise RuntimeError(f"the repository is visible: {{sorted(os.listdir(REPO))}}")
+    for secret in SECRETS:
+        if os.path.exists(secret):
+            raise RuntimeError(f"{{secret}} is visible")
     return flush(*x)
 '''
 
 
 @needs_sandbox
-def test_the_repository_is_hidden_from_a_solution(repo):
-    """As users run it: `python -m harness.run` from the repository root, in a process of its own."""
-    make_solution(repo / "solutions", "peek", PEEK.format(repo=str(repo)))
+def test_the_repository_its_neighbours_and_the_home_are_hidden_from_a_solution(repo, tmp_path):
+    """As users run it: `python -m harness.run` from the repository root, in a process of its own. Neither the
+    repository, nor a checkout beside it, nor the user's home (where credentials live) can be read: an exception
+    carries what it read into the run's table and the traces."""
+    sibling, home = tmp_path / "other_checkout" / "secret.txt", tmp_path / "user_home" / ".netrc"
+    for secret in (sibling, home):
+        secret.parent.mkdir()
+        secret.write_text("password")
+    make_solution(repo / "solutions", "peek", PEEK.format(repo=str(repo), secrets=[str(sibling), str(home)]))
     done = subprocess.run([sys.executable, "-m", "harness.run", "--solution", "peek", "--device", "cpu",
                            "--batch-sizes", "1", "--families", "random", "--no-traces"],
-                          cwd=repo, capture_output=True, text=True, timeout=300)
+                          cwd=repo, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HOME": str(home.parent)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -607,6 +617,34 @@ def test_a_forged_message_is_refused(defn, one, tmp_path, attack, status, says):
     assert_honest_passes(defn, one)
 
 
+# A reply larger than what was asked: a sealed memfd that costs its sender nothing (only truncated to its size),
+# sent at import as the answer to the load message
+HUGE_READY = '''
+import fcntl, json, os, socket, struct, sys
+from flush import run
+
+SIZE = 1 << 30
+sock = socket.socket(fileno=int(sys.argv[1]))
+fd = os.memfd_create("wire", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, SIZE)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+body = json.dumps({"status": "ready", "tensors": [{"name": "x", "dtype": "uint8", "shape": [SIZE], "offset": 0}]})
+socket.send_fds(sock, [struct.pack("<Q", len(body)) + body.encode()], [fd])
+sock.detach()
+'''
+
+
+@needs_sandbox
+def test_a_reply_larger_than_asked_for_is_refused_unread(defn, one, tmp_path):
+    sol = plant(defn, tmp_path / "planted", "huge_ready", HUGE_READY)
+    Path("/proc/self/clear_refs").write_text("5")
+    start = peak_rss_mb()
+    [result] = judge(defn, sol, one)
+    assert result.status == runner.COMPILE_ERROR and "(limit 0)" in result.log, (result.status, result.log)
+    assert one_line(result.log) and peak_rss_mb() - start < 64
+    assert_honest_passes(defn, one)
+
+
 # 8. Outputs that are not plain dense tensors ------------------------------------------------------------------------
 
 IMPOSTOR_OUTPUTS = {
@@ -722,6 +760,19 @@ def test_flooding_the_output_and_the_home_changes_nothing(defn, one, tmp_path):
     assert ballast.stat().st_size == 200 << 20
     ballast.unlink()
     assert_honest_passes(defn, one)
+
+
+@needs_sandbox
+def test_a_home_left_too_large_is_deleted_and_older_homes_are_pruned(defn, one, tmp_path, monkeypatch):
+    """The home is the one place a solution writes that outlives its worker: ballast left there must not fill the
+    disk for every later run, and the homes of a solution's earlier sources are removed when it runs again."""
+    monkeypatch.setattr(sandbox, "HOME_BYTES", 100 << 20)
+    sol = plant(defn, tmp_path / "planted", "flooder", FLOODER)
+    stale = sandbox.cache_root() / "home" / "flooder-0123456789abcdef"
+    stale.mkdir(parents=True)
+    [result] = judge(defn, sol, one)
+    assert result.status == runner.PASSED, result.log
+    assert list((sandbox.cache_root() / "home").glob("flooder-*")) == []
 
 
 def peak_rss_mb() -> float:

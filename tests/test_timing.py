@@ -110,6 +110,58 @@ time.perf_counter = lambda: 0.0
 def run(*x):
     return flush(*x)
 """,
+    # the timed calls do nothing; the worker's timed loop is patched to compute each timed call's outputs when the
+    # harness asks for them, after its clock has stopped
+    "late_outputs": """
+import torch
+import harness.timing as timing
+from flush import run as flush
+_timed = [False]
+_run = timing.TimedLoop.run
+
+
+def _timed_run(self, seed):
+    _timed[0] = True
+    try:
+        return _run(self, seed)
+    finally:
+        _timed[0] = False
+
+
+def _late(self, first, count):
+    outs = [flush(*timing.call_inputs(self.op, self.pool, self.batched, self.unit, self.index, self.variants,
+                                      k).values()) for k in range(first, first + count)]
+    return tuple(torch.cat([o[j] for o in outs]) for j in range(len(outs[0])))
+
+
+timing.TimedLoop.run = _timed_run
+timing.TimedLoop.outputs_of = _late
+
+
+def run(*x):
+    if not _timed[0]:
+        return flush(*x)
+    return tuple(torch.empty_like(t) for t in flush(*x))
+""",
+    # the loop's own clock replaced by megabytes of JSON that would land in the committed trace
+    "junk_loop_clock": """
+import harness.timing as timing
+from flush import run as flush
+_run = timing.TimedLoop.run
+
+
+def _junk(self, seed):
+    out = _run(self, seed)
+    self.loop_ms = {"note": "| forged | row |\\n" * 3, "blob": ["x" * 1000] * 3000}
+    return out
+
+
+timing.TimedLoop.run = _junk
+
+
+def run(*x):
+    return flush(*x)
+""",
     # outputs cached by the input tensors' identity: right once, stale when the harness refills the buffers
     "replays_by_buffer": """
 from flush import run as flush
@@ -196,6 +248,7 @@ def test_honest_solution_passes_the_cpu_timed_path(defn, tmp_path, cpu_timing):
     ("front_loads", runner.RUNTIME_ERROR, ("outside the timed region",)),
     ("forges_clock", runner.RUNTIME_ERROR, ("outside the timed region",)),
     ("replays_by_buffer", runner.INCORRECT_NUMERICAL, ("timed calls", "fresh inputs")),
+    ("junk_loop_clock", runner.RUNTIME_ERROR, ("no valid latencies",)),
 ])
 def test_timing_attack_loses_on_cpu(defn, tmp_path, cpu_timing, cheat, status, messages):
     [r] = _timed_on_cpu(defn, tmp_path, cheat, CHEATS[cheat], cpu_timing)

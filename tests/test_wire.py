@@ -52,7 +52,7 @@ def descriptor(**changes) -> dict:
 
 def receive_error(receiver) -> str:
     with pytest.raises(wire.WireError) as e:
-        wire.receive(receiver, DEADLINE_S)
+        wire.receive(receiver, DEADLINE_S, wire.MAX_TENSOR_BYTES)
     assert "\n" not in str(e.value)
     return str(e.value)
 
@@ -78,7 +78,7 @@ def test_tensors_of_every_dtype_round_trip(pair):
         tensors[f"{name}_empty"] = sample(dtype, (0, 7))
     tensors["strided"] = sample(torch.float32, (6, 4)).t()       # sent as its values, contiguous
     wire.send(sender, {"op": "run", "axes": {"batch_size": 1}}, tensors)
-    header, received = wire.receive(receiver, DEADLINE_S)
+    header, received = wire.receive(receiver, DEADLINE_S, wire.MAX_TENSOR_BYTES)
     assert header == {"op": "run", "axes": {"batch_size": 1}}
     assert list(received) == list(tensors)
     for name, t in tensors.items():
@@ -88,7 +88,7 @@ def test_tensors_of_every_dtype_round_trip(pair):
 def test_message_without_tensors_carries_no_file(pair):
     sender, receiver = pair
     wire.send(sender, {"op": "stop"})
-    assert wire.receive(receiver, DEADLINE_S) == ({"op": "stop"}, {})
+    assert wire.receive(receiver, DEADLINE_S, wire.MAX_TENSOR_BYTES) == ({"op": "stop"}, {})
 
 
 def test_sender_refuses_nan_in_a_header(pair):
@@ -108,7 +108,7 @@ def test_header_then_stall_times_out_at_the_deadline(pair):
     sender.sendall(struct.pack("<Q", 100) + b'{"tensors"')
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
-        wire.receive(receiver, DEADLINE_S)
+        wire.receive(receiver, DEADLINE_S, wire.MAX_TENSOR_BYTES)
     assert time.monotonic() - t0 < DEADLINE_S + 0.5
 
 
@@ -128,7 +128,7 @@ def test_a_trickle_does_not_extend_the_deadline(pair):
     t0 = time.monotonic()
     try:
         with pytest.raises(TimeoutError):
-            wire.receive(receiver, DEADLINE_S)
+            wire.receive(receiver, DEADLINE_S, wire.MAX_TENSOR_BYTES)
         assert time.monotonic() - t0 < DEADLINE_S + 0.5
     finally:
         stop.set()
@@ -187,7 +187,7 @@ def test_an_empty_file_holds_only_empty_tensors(pair):
     """mmap refuses an empty file: an empty tensor is built without it, and a non-empty one is refused."""
     sender, receiver = pair
     send_raw(sender, {"tensors": [descriptor(shape=[0])]}, [sealed_memfd(0)])
-    _, tensors = wire.receive(receiver, 5)
+    _, tensors = wire.receive(receiver, 5, wire.MAX_TENSOR_BYTES)
     assert [t.numel() for t in tensors.values()] == [0]
     send_raw(sender, {"tensors": [descriptor(shape=[1])]}, [sealed_memfd(0)])
     assert "holds 0 bytes" in receive_error(receiver)
@@ -247,7 +247,7 @@ def test_received_files_are_closed(pair):
     send_raw(sender, {"tensors": [descriptor(dtype="bool")]}, [sealed_memfd(64), sealed_memfd(64)])
     receive_error(receiver)
     wire.send(sender, {"op": "run"}, {"x": torch.ones(3)})
-    wire.receive(receiver, DEADLINE_S)
+    wire.receive(receiver, DEADLINE_S, wire.MAX_TENSOR_BYTES)
     assert set(os.listdir("/proc/self/fd")) == before
 
 
@@ -255,7 +255,7 @@ def test_peer_closed_raises_eof(pair):
     sender, receiver = pair
     sender.close()
     with pytest.raises(EOFError):
-        wire.receive(receiver, DEADLINE_S)
+        wire.receive(receiver, DEADLINE_S, wire.MAX_TENSOR_BYTES)
 
 
 def test_peer_closed_mid_message_raises_eof(pair):
@@ -263,4 +263,4 @@ def test_peer_closed_mid_message_raises_eof(pair):
     sender.sendall(struct.pack("<Q", 100) + b'{"tens')
     sender.close()
     with pytest.raises(EOFError):
-        wire.receive(receiver, DEADLINE_S)
+        wire.receive(receiver, DEADLINE_S, wire.MAX_TENSOR_BYTES)
