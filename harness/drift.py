@@ -18,7 +18,7 @@ from harness.definition import project_definition
 from harness.project import Project, write_file
 from harness.ops import load_op
 from harness.records import DriftRecord
-from harness.runner import PASSED, Worker, check_outputs, reply_bytes
+from harness.runner import PASSED, Worker, run_call
 from harness.solutions import load_solution
 
 DRIFT_SEED = 20261203
@@ -68,13 +68,10 @@ def execute(args: argparse.Namespace) -> int:
     worker = Worker(sol, defn, device, settings.timeout_s, hide=[project.root])
 
     def flush(**inputs):
-        status, header, tensors = worker.request({"op": "run", "axes": axes}, inputs, "running",
-                                                 reply_bytes(defn, axes))
-        if status == "ok":
-            status, header = check_outputs(defn, header.get("outputs"), tensors, axes, device)
+        status, log, outputs = run_call(defn, worker, inputs, axes)
         if status != PASSED:
-            raise HarnessError(f"{sol.name}: {status}: {header}")
-        return tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
+            raise HarnessError(f"{sol.name}: {status}: {log}")
+        return outputs
 
     print(f"{sol.name}: {args.windows} windows at batch_size={args.batch_size} on {device}", flush=True)
     rows, score, limit = [], op.WORDING.score_key, op.DRIFT_LIMIT

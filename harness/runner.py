@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from harness import HarnessError, sandbox, timing, wire
+from harness import HarnessError, sandbox, shared, timing, wire
 from harness.definition import Definition
 from harness.ops import Verdict, load_op
 from harness.project import Settings
@@ -142,7 +142,7 @@ class Worker:
         self.stop()
         return status, log, None
 
-    def request(self, header: dict, tensors: dict | None, what: str, max_bytes: int):
+    def request(self, header: dict, tensors: dict | None, what: str, max_bytes: int, lend: int | None = None):
         """Send a request; the reply's tensors may take at most max_bytes (more is a malformed reply, and the worker
         is stopped): every caller states what it expects, so that a reply cannot make this process allocate more."""
         if self.fatal:
@@ -152,17 +152,20 @@ class Worker:
         if self.load_error:
             return COMPILE_ERROR, self.load_error, None
         try:
-            wire.send(self.sock, header, {k: v.detach().cpu() for k, v in (tensors or {}).items()})
+            wire.send(self.sock, header, {k: v.detach().cpu() for k, v in (tensors or {}).items()}, lend)
         except OSError:
             pass                            # it died before reading: the receive reports how
         return self._receive(what, max_bytes)
 
-    def stop(self) -> None:
+    def stop(self, grace: bool = True) -> None:
+        """End the worker: asked to stop, then killed after STOP_GRACE_S (at once without `grace`). A later
+        request starts a new one."""
         if self.proc is None:
             return
         try:
-            wire.send(self.sock, {"op": "stop"})
-            self.proc.wait(STOP_GRACE_S)
+            if grace:
+                wire.send(self.sock, {"op": "stop"})
+                self.proc.wait(STOP_GRACE_S)
         except (OSError, subprocess.TimeoutExpired):
             pass
         try:
@@ -295,13 +298,17 @@ class Calibration:
                     if k in batched else v)
                 for k, v in pristine.items()}
         walls, calls = [], []
-        for status, log, _ in _timed_loop(op, self.worker, pristine, pool, axes, batched, n_prefix, n_calls,
-                                          n_programs, pool_programs, self.settings.calibration_repeats,
-                                          self.settings.warmup_replays, walls):
-            if status != "ok":
-                raise HarnessError(f"the null worker failed its timed loop: {log}")
-            self.loops[key] = _times(log.get("loop_ms"), 2)
-            calls.append(statistics.median(log["latencies_ms"]))
+        for _ in range(self.settings.calibration_repeats):
+            m = _timed_measure(self.defn, self.worker, pristine, pool, axes, batched, n_prefix, n_calls,
+                               self.settings.warmup_replays)
+            if m.outputs is not None:
+                m.outputs.close()
+            latencies = _times(m.reply.get("latencies_ms"), n_calls) if m.status == "ok" else None
+            if latencies is None:
+                raise HarnessError(f"the null worker failed its timed loop: {m.reply}")
+            self.loops[key] = _times(m.reply.get("loop_ms"), 2)
+            walls.append(m.wall_ms)
+            calls.append(statistics.median(latencies))
         self.walls[key] = statistics.median(walls), statistics.median(calls)
 
     def null_loop(self, axes: dict, n_calls: int, pool_programs: int) -> tuple[float, float]:
@@ -317,31 +324,56 @@ def _key(axes: dict, n_calls: int, pool_programs: int) -> tuple:
     return tuple(sorted(axes.items())), n_calls, pool_programs
 
 
-def _timed_loop(op, worker: Worker, warm: dict, pool: dict, axes: dict, batched, n_prefix: int, n_calls: int,
-                n_programs: int, pool_programs: int, repeats: int, warmup_replays: int, walls: list):
-    """Yields (status, header or log, (seed, (index, variants))) per repeat of the worker's timed loop (the schedule
-    seed sent and timing.draw_calls of it); appends each wall time (ms) from sending the seed to receiving the reply
-    to `walls`."""
-    status, log, _ = worker.request({"op": "time_prepare", "axes": axes, "batched": list(batched),
-                                     "n_prefix": n_prefix, "n_calls": n_calls, "warmup_replays": warmup_replays},
-                                    warm, "capturing", 0)
-    if status == "ok":
-        status, log, _ = worker.request({"op": "time_pool"}, pool, "loading the pool", 0)
-    if status != "ok":
-        yield status, log, None
-        return
+@dataclass
+class Measurement:
+    """One timed loop: the time_run reply's header (or a one-line log when not "ok"), the schedule seed sent, the
+    harness's wall time from sending it to the reply, and the lent memory holding every timed call's outputs (the
+    caller reads, then closes it)."""
+    status: str
+    reply: dict | str
+    seed: int | None = None
+    wall_ms: float | None = None
+    outputs: shared.Lent | None = None
+
+
+def output_specs(defn: Definition, axes: dict) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    return [(s.torch_dtype, defn.shape(s, axes)) for s in defn.outputs.values()]
+
+
+def _timed_measure(defn: Definition, worker: Worker, warm: dict, pool: dict, axes: dict, batched, n_prefix: int,
+                   n_calls: int, warmup_replays: int) -> Measurement:
+    """One timed loop in the worker (harness.timing): capture on `warm`, lend it the memory for the outputs of the
+    n_calls timed calls, send the pool, then the schedule seed alone, timed by the wall clock until the reply. The
+    worker is killed the moment it replies (whatever it replied): nothing it would compute afterwards reaches the
+    outputs, which the harness reads only then."""
+    specs = output_specs(defn, axes)
     device = next(iter(pool.values())).device
-    for _ in range(repeats):
-        seed = int.from_bytes(os.urandom(7), "little")
-        gc.collect()
-        gc.disable()            # a collection of this process's large heap inside the window reads as the solution's
-        try:
-            t0 = time.perf_counter()
-            status, header, _ = worker.request({"op": "time_run", "seed": seed}, None, "timing", 0)
-            walls.append((time.perf_counter() - t0) * 1e3)
-        finally:
-            gc.enable()
-        yield status, header, (seed, timing.draw_calls(n_calls, n_programs, pool_programs, seed, op, axes, device))
+    lent = shared.Lent(n_calls * shared.layout(specs)[1], device)
+    seed = int.from_bytes(os.urandom(7), "little")
+    wall_ms = None
+    try:
+        status, reply, _ = worker.request(
+            {"op": "time_prepare", "axes": axes, "batched": list(batched), "n_prefix": n_prefix,
+             "n_calls": n_calls, "warmup_replays": warmup_replays, "lent_bytes": lent.nbytes,
+             "outputs": [[str(dtype).removeprefix("torch."), list(shape)] for dtype, shape in specs]},
+            warm, "capturing", 0, lend=lent.fd)
+        if status == "ok":
+            status, reply, _ = worker.request({"op": "time_pool"}, pool, "loading the pool", 0)
+        if status == "ok":
+            gc.collect()
+            gc.disable()        # a collection of this process's large heap inside the window reads as the solution's
+            try:
+                t0 = time.perf_counter()
+                status, reply, _ = worker.request({"op": "time_run", "seed": seed}, None, "timing", 0)
+                wall_ms = (time.perf_counter() - t0) * 1e3
+            finally:
+                gc.enable()
+    finally:
+        worker.stop(grace=False)
+    if status != "ok":
+        lent.close()
+        return Measurement(status, reply)
+    return Measurement(status, reply, seed, wall_ms, lent)
 
 
 def _times(value, n: int) -> list[float] | None:
@@ -446,21 +478,42 @@ def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_
         _time_one(defn, op, worker, pristine, programs, result, settings, calibration)
 
 
-def judge_call(defn, op, worker: Worker, inputs: dict, var_axes: dict) -> tuple[str, str, Verdict | None]:
-    """(status, log, verdict) of one call of the worker's solution on `inputs`: its reply checked against the
-    definition, its inputs untouched, its outputs judged against the reference run here."""
-    axes = defn.resolve_axes(var_axes)
-    status, header, tensors = worker.request({"op": "run", "axes": axes}, inputs, "running",
-                                             reply_bytes(defn, axes))
-    if status != "ok":
-        return status, header, None
+def run_call(defn: Definition, worker: Worker, inputs: dict, axes: dict) -> tuple[str, str, tuple | None]:
+    """(status, log, outputs in definition order on the inputs' device) of one call of the worker's solution on
+    `inputs`, lent to it in memory the harness owns (harness.shared): its reply checked against the definition, and
+    the lent inputs compared with `inputs` afterwards by the harness itself."""
+    names = list(inputs)
+    specs = [(t.dtype, tuple(t.shape)) for t in inputs.values()]
     device = next(iter(inputs.values())).device
-    status, log = check_outputs(defn, header.get("outputs"), tensors, axes, device.type)
+    lent = shared.Lent(shared.layout(specs)[1], device)
+    try:
+        lent_inputs = dict(zip(names, shared.views(lent.tensor, specs, 1)[0]))
+        for name, t in inputs.items():
+            lent_inputs[name].copy_(t)
+        header = {"op": "run", "axes": axes, "lent_bytes": lent.nbytes,
+                  "inputs": [[name, str(dtype).removeprefix("torch."), list(shape)]
+                             for name, (dtype, shape) in zip(names, specs)]}
+        status, reply, tensors = worker.request(header, None, "running", reply_bytes(defn, axes), lend=lent.fd)
+        if status != "ok":
+            return status, reply, None
+        status, log = check_outputs(defn, reply.get("outputs"), tensors, axes, device.type)
+        if status != PASSED:
+            return status, log, None
+        modified = next((name for name in names if not torch.equal(lent_inputs[name], inputs[name])), None)
+        if modified is not None:
+            return RUNTIME_ERROR, f"the solution modified its input {modified!r}", None
+        return PASSED, "", tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
+    finally:
+        lent_inputs = None
+        lent.close()
+
+
+def judge_call(defn, op, worker: Worker, inputs: dict, var_axes: dict) -> tuple[str, str, Verdict | None]:
+    """(status, log, verdict) of one call of the worker's solution on `inputs` (run_call), its outputs judged
+    against the reference run here."""
+    status, log, outputs = run_call(defn, worker, inputs, defn.resolve_axes(var_axes))
     if status != PASSED:
         return status, log, None
-    if header.get("modified") is not None:
-        return RUNTIME_ERROR, f"the solution modified its input {str(header['modified'])[:40]!r}", None
-    outputs = tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
     verdict = op.judge(inputs, outputs, defn.reference_run()(**inputs), defn.reference)
     return (PASSED, "", verdict) if verdict.passed else (INCORRECT_NUMERICAL, verdict.reason, verdict)
 
@@ -481,46 +534,39 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
     axes = defn.resolve_axes(result.workload.axes)
     batched, n_prefix = program_layout(defn)
     n, n_calls = programs.n_programs, settings.timed_calls(programs.n_programs)
-    walls: list[float] = []
-    [(status, header, drawn)] = list(_timed_loop(op, worker, pristine, programs.pool, axes, batched, n_prefix,
-                                                 n_calls, n, programs.pool_programs, 1, settings.warmup_replays,
-                                                 walls))
-    if status != "ok":
-        result.status, result.log = status, f"while timing: {header}"
+    m = _timed_measure(defn, worker, pristine, programs.pool, axes, batched, n_prefix, n_calls,
+                       settings.warmup_replays)
+    if m.status != "ok":
+        result.status, result.log = m.status, f"while timing: {m.reply}"
         return
-    latencies, loop_ms = _times(header.get("latencies_ms"), n_calls), _times(header.get("loop_ms"), 2)
-    if latencies is None or loop_ms is None:
-        result.status, result.log = RUNTIME_ERROR, "while timing: the reply holds no valid latencies"
-        return
-    schedule_seed, (index, variants) = drawn
-    device = index.device
-    chunk = max(1, JUDGED_PROGRAMS // n)
-    reference = defn.reference_run()
-    for first in range(0, n_calls, chunk):
-        count = min(chunk, n_calls - first)
-        status, reply, tensors = worker.request({"op": "time_outputs", "first": first, "count": count}, None,
-                                                "sending the timed outputs", reply_bytes(defn, axes, count))
-        if status != "ok":
-            result.status, result.log = status, f"timed calls {first}..: {reply}"
+    try:
+        latencies, loop_ms = _times(m.reply.get("latencies_ms"), n_calls), _times(m.reply.get("loop_ms"), 2)
+        if latencies is None or loop_ms is None:
+            result.status, result.log = RUNTIME_ERROR, "while timing: the reply holds no valid latencies"
             return
-        specs = [{"kind": "tensor", "device": device.type}] * len(defn.outputs)
-        status, log = check_outputs(defn, specs, tensors, axes, device.type, leading=count)
-        if status != PASSED:
-            result.status, result.log = status, f"timed calls {first}..: {log}"
-            return
-        inputs = programs.calls(op, index, variants, first, count)
-        outs = tuple(tensors[f"out{i}"].to(device) for i in range(len(defn.outputs)))
-        verdict = op.judge(inputs, outs, reference(**inputs), defn.reference)
-        if not verdict.passed:
-            # the schedule seed with the run seed (in the trace) rebuilds these calls' inputs: timing.draw_calls
-            result.status, result.log = INCORRECT_NUMERICAL, f"timed calls {first}-{first + count - 1}: " \
-                                                             f"{verdict.reason} (schedule seed {schedule_seed})"
-            return
+        device = next(iter(programs.pool.values())).device
+        index, variants = timing.draw_calls(n_calls, n, programs.pool_programs, m.seed, op, axes, device)
+        slots = shared.views(m.outputs.tensor, output_specs(defn, axes), n_calls)
+        chunk = max(1, JUDGED_PROGRAMS // n)
+        reference = defn.reference_run()
+        for first in range(0, n_calls, chunk):
+            count = min(chunk, n_calls - first)
+            inputs = programs.calls(op, index, variants, first, count)
+            outs = tuple(torch.cat([slots[k][j] for k in range(first, first + count)]).to(device)
+                         for j in range(len(defn.outputs)))
+            verdict = op.judge(inputs, outs, reference(**inputs), defn.reference)
+            if not verdict.passed:
+                # the schedule seed with the run seed (in the trace) rebuilds these calls' inputs: timing.draw_calls
+                result.status, result.log = INCORRECT_NUMERICAL, f"timed calls {first}-{first + count - 1}: " \
+                                                                 f"{verdict.reason} (schedule seed {m.seed})"
+                return
+    finally:
+        m.outputs.close()
     null_wall, null_call = calibration.null_loop(axes, n_calls, programs.pool_programs)
-    result.clock = {"timed_calls": n_calls, "wall_ms": walls[0], "null_wall_ms": null_wall,
+    result.clock = {"timed_calls": n_calls, "wall_ms": m.wall_ms, "null_wall_ms": null_wall,
                     "null_call_ms": null_call, "reported_ms": sum(latencies), "worker_loop_ms": loop_ms,
                     "null_worker_loop_ms": calibration.loops.get(_key(axes, n_calls, programs.pool_programs))}
-    refused = timing.clock_disagreement(latencies, walls[0], null_wall, null_call)
+    refused = timing.clock_disagreement(latencies, m.wall_ms, null_wall, null_call)
     if refused:
         result.status, result.log = RUNTIME_ERROR, f"timing refused: {refused}"
         return

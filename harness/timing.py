@@ -12,12 +12,15 @@ Where each piece runs, and why a solution cannot bend the figure:
   replays a captured preparation (keep call k - 1's outputs, refill the input set, poison the outputs with NaN or
   the integer minimum, flush the L2 with a write twice its size), then the solution's graph between two CUDA
   events.
-- In the harness (trusted): the seeds; the judge, which checks the outputs of *every* timed call in full; and a
-  wall clock around the whole loop, from sending the seed to receiving the reply. The harness's own null worker (a
-  solution that only writes its outputs) runs the same loop first to measure its overhead. Whatever the solution's
-  process does to produce correct outputs (inside the events, outside them, in a hook it patched, all in the first
-  call) falls between sending and reply, so the wall time less the null loop's, plus the null call's own median,
-  bounds the time per call; a median more than CLOCK_TOLERANCE below that bound is refused (`clock_disagreement`).
+- In the harness (trusted): the seeds; the memory every timed call's outputs are kept in (lent to the worker,
+  harness.shared); the judge, which checks the outputs of *every* timed call in full; and a wall clock around the
+  whole loop, from sending the seed to receiving the reply. The harness kills the worker as soon as the reply
+  arrives and only then reads the outputs, so the work that produced them happened before the reply. The
+  harness's own null worker (a solution that only writes its outputs) runs the same loop first to measure its
+  overhead. Whatever the solution's process does to produce correct outputs (inside the events, outside them, in a
+  hook it patched, all in the first call) falls between sending and reply, so the wall time less the null loop's,
+  plus the null call's own median, bounds the time per call; a median more than CLOCK_TOLERANCE below that bound is
+  refused (`clock_disagreement`).
 
 A solution must therefore be CUDA-graph capturable (no host synchronisation, side streams joined), as it must be
 inside a serving engine; one that is not is refused with `NotCapturable`. On the CPU (tests only) the same loop runs
@@ -116,11 +119,12 @@ class _Rerun:
 
 class TimedLoop:
     """The worker's half of a timed measurement (see the module docstring): built on the warm-up inputs (warm-up,
-    capture), then `load_pool`, `run(seed)` and `outputs_of(first, count)`. On the CPU (tests only) graphs are
-    plain calls and the clock is time.perf_counter."""
+    capture) and `slots`, the outputs of every timed call in memory the harness lent (harness.shared), then
+    `load_pool` and `run(seed)`, after whose reply the harness kills the worker and reads the slots. On the CPU
+    (tests only) graphs are plain calls and the clock is time.perf_counter."""
 
     def __init__(self, call: Callable, warm: dict, axes: dict, batched: list[str], n_prefix: int, n_calls: int, op,
-                 warmup_replays: int):
+                 warmup_replays: int, slots: list[tuple[torch.Tensor, ...]]):
         self.device = next(iter(warm.values())).device
         self.cuda = self.device.type == "cuda"
         self.axes, self.batched, self.n_prefix, self.n_calls, self.op = axes, set(batched), n_prefix, n_calls, op
@@ -144,7 +148,9 @@ class TimedLoop:
         for out in self.outputs:
             if any(type(t) is not torch.Tensor or t.device != self.device for t in out):
                 raise TypeError("the captured call returned something other than tensors on the inputs' device")
-        self.slots = [tuple(torch.empty_like(t) for t in self.outputs[0]) for _ in range(n_calls)]
+            if [(t.dtype, t.shape) for t in out] != [(t.dtype, t.shape) for t in slots[0]]:
+                raise TypeError("the captured call's outputs differ in dtype or shape from the definition's")
+        self.slots = slots
         self.scratch = l2_flush_buffer(self.device) if self.cuda else torch.empty(1, dtype=torch.uint8)
         self._synchronize()
 
@@ -232,11 +238,6 @@ class TimedLoop:
         self._synchronize()
         self.loop_ms = ((time.perf_counter() - t0) * 1e3, self._elapsed_ms(first, last))
         return [self._elapsed_ms(a, b) for a, b in stamps]
-
-    def outputs_of(self, first: int, count: int) -> tuple:
-        """The outputs of calls first .. first + count - 1, concatenated along the program axes' first dim."""
-        return tuple(torch.cat([self.slots[k][j] for k in range(first, first + count)])
-                     for j in range(len(self.slots[0])))
 
 
 def time_replays(prepare: Callable, n_calls: int, stream) -> list[float]:

@@ -64,15 +64,19 @@ def _pack(tensors: dict[str, torch.Tensor]) -> tuple[list[dict], int | None]:
     return specs, fd
 
 
-def send(sock: socket.socket, header: dict, tensors: dict[str, torch.Tensor] | None = None) -> None:
+def send(sock: socket.socket, header: dict, tensors: dict[str, torch.Tensor] | None = None,
+         lend: int | None = None) -> None:
+    """Send header and tensors; `lend`, a file descriptor of memory the sender owns (harness.shared), goes with them
+    (the sender keeps its own copy of the descriptor)."""
     specs, fd = _pack(tensors or {})
-    body = json.dumps({**header, "tensors": specs}, allow_nan=False).encode()
+    body = json.dumps({**header, "tensors": specs, "lent": lend is not None}, allow_nan=False).encode()
     data = _LENGTH.pack(len(body)) + body
+    fds = [f for f in (fd, lend) if f is not None]
     try:
-        if fd is None:
+        if not fds:
             sock.sendall(data)
         else:
-            sent = socket.send_fds(sock, [data], [fd])
+            sent = socket.send_fds(sock, [data], fds)
             if sent < len(data):
                 sock.sendall(data[sent:])
     finally:
@@ -94,7 +98,7 @@ def _recv(sock: socket.socket, n: int, deadline: float, fds: list[int]) -> bytes
             raise TimeoutError from None
         fds.extend(new_fds)
         if flags & socket.MSG_CTRUNC:
-            raise WireError("the message carried more file descriptors than one")
+            raise WireError("the message carried more file descriptors than it may")
         if not data:
             raise EOFError
         chunks.append(data)
@@ -102,10 +106,13 @@ def _recv(sock: socket.socket, n: int, deadline: float, fds: list[int]) -> bytes
     return b"".join(chunks)
 
 
-def receive(sock: socket.socket, timeout_s: float, max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]]:
+def receive(sock: socket.socket, timeout_s: float, max_bytes: int,
+            borrows: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """(header, tensors) of the next message. TimeoutError when it is not complete within timeout_s, EOFError when
     the peer closed, WireError when it is malformed or its tensors take more than max_bytes (the receiver's bound
-    for what it asked: 0 for a reply that carries no tensors; the tensors are copied into the receiver's memory)."""
+    for what it asked: 0 for a reply that carries no tensors; the tensors are copied into the receiver's memory).
+    A message that lends memory is refused unless `borrows` (the worker's side); then header["lent_fd"] is its file
+    descriptor, the caller's to close."""
     deadline = time.monotonic() + timeout_s
     fds: list[int] = []
     try:
@@ -118,8 +125,13 @@ def receive(sock: socket.socket, timeout_s: float, max_bytes: int) -> tuple[dict
             raise WireError(f"message is not JSON ({type(e).__name__})") from None
         if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
             raise WireError("message is not a JSON object with a 'tensors' list")
-        if len(fds) > 1 or (header["tensors"] and not fds):
+        lent = header.pop("lent", False) is True
+        if lent and not borrows:
+            raise WireError("the message lends memory")
+        if len(fds) != bool(header["tensors"]) + lent:
             raise WireError(f"message carries {len(fds)} files for {len(header['tensors'])} tensors")
+        if lent:
+            header["lent_fd"] = fds.pop()
         tensors = _unpack(header.pop("tensors"), fds[0] if fds else None, max_bytes)
         return header, tensors
     finally:

@@ -1,8 +1,8 @@
 """A solution's worker process: `python -m harness.worker FD`, started by harness.runner inside the sandbox.
 
 It loads the solution named in the first message and answers requests on the socket FD (harness.wire messages):
-"run" (the outputs of one call), the timed loop's "time_prepare", "time_pool", "time_run" and "time_outputs"
-(harness.timing.TimedLoop), the deployment form's "deploy_case" and "deploy_empty" (harness.deploy: the solution's
+"run" (the outputs of one call), the timed loop's "time_prepare" (which lends the memory the timed calls' outputs
+go to), "time_pool" and "time_run" (harness.timing.TimedLoop; the harness kills the worker after that reply), the deployment form's "deploy_case" and "deploy_empty" (harness.deploy: the solution's
 pool.py, imported at the first such request), and "stop". Everything it sends is data that the harness checks;
 nothing in this process is trusted, since the solution's code runs in it.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from harness import deploy, timing, wire
+from harness import deploy, shared, timing, wire
 from harness.definition import parse_definition
 from harness.ops import load_op
 from harness.solutions import NULL, REFERENCE, Solution, load_entry, load_module, null_solution, reference_solution
@@ -81,19 +81,28 @@ def serve(sock: socket.socket) -> None:
     loop = flush_inplace = None
     while True:
         try:
-            msg, tensors = wire.receive(sock, WAIT_FOREVER, wire.MAX_TENSOR_BYTES)
+            msg, tensors = wire.receive(sock, WAIT_FOREVER, wire.MAX_TENSOR_BYTES, borrows=True)
         except EOFError:
             return
         request = msg["op"]
+        lent_fd = msg.pop("lent_fd", None)
+        if lent_fd is not None and request not in ("time_prepare", "run"):
+            os.close(lent_fd)
         if request == "stop":
             return
         try:
             if request == "run":
-                inputs = {k: v.to(device) for k, v in tensors.items()}
-                pristine = {k: v.clone() for k, v in inputs.items()}
-                specs, out = describe_outputs(fn(inputs, msg["axes"]))
-                modified = next((k for k, v in pristine.items() if not torch.equal(v, inputs[k])), None)
-                wire.send(sock, {"status": "ok", "outputs": specs, "modified": modified}, out)
+                # the inputs lie in memory the harness lent, which it compares with its own copy after the reply
+                lent = shared.Borrowed(lent_fd, msg["lent_bytes"], device)
+                try:
+                    names = [name for name, _, _ in msg["inputs"]]
+                    specs = [(wire.DTYPES[dtype], tuple(shape)) for _, dtype, shape in msg["inputs"]]
+                    inputs = dict(zip(names, shared.views(lent.tensor, specs, 1)[0]))
+                    described, out = describe_outputs(fn(inputs, msg["axes"]))
+                    inputs = None
+                finally:
+                    lent.release()
+                wire.send(sock, {"status": "ok", "outputs": described}, out)
             elif request == "time_prepare":
                 # the last workload's graphs and their private memory pools returned to the device before this
                 # workload's are captured: cached, they held tens of GB at large batches, enough to run an 80 GB
@@ -103,9 +112,13 @@ def serve(sock: socket.socket) -> None:
                     gc.collect()
                     torch.cuda.empty_cache()
                 warm = {k: v.to(device) for k, v in tensors.items()}
+                specs = [(wire.DTYPES[dtype], tuple(shape)) for dtype, shape in msg["outputs"]]
+                # never released: the harness kills this process after the timed loop's reply
+                slots = shared.views(shared.Borrowed(lent_fd, msg["lent_bytes"], device).tensor, specs,
+                                     msg["n_calls"])
                 # the loop poisons each call's outputs before it, outside the timed region
                 loop = timing.TimedLoop(functools.partial(fn, fill=False), warm, msg["axes"], msg["batched"],
-                                        msg["n_prefix"], msg["n_calls"], op, msg["warmup_replays"])
+                                        msg["n_prefix"], msg["n_calls"], op, msg["warmup_replays"], slots)
                 wire.send(sock, {"status": "ok"})
             elif request == "time_pool":
                 loop.load_pool(tensors)
@@ -121,9 +134,6 @@ def serve(sock: socket.socket) -> None:
                     wire.send(sock, {"status": "ok", "latencies_ms": latencies, "loop_ms": loop.loop_ms})
                 finally:
                     gc.enable()
-            elif request == "time_outputs":
-                outs = loop.outputs_of(msg["first"], msg["count"])
-                wire.send(sock, {"status": "ok"}, {f"out{i}": t.cpu() for i, t in enumerate(outs)})
             elif request == "deploy_case":
                 if flush_inplace is None:
                     flush_inplace = load_module(sol, deploy.DEPLOYMENT_SOURCE).flush_inplace

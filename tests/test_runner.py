@@ -20,6 +20,10 @@ BAD = {
     "dies": ("import os\n\ndef run(*x):\n    os._exit(3)\n", runner.RUNTIME_ERROR, "died"),
     "modifies input": (CORRECT.replace("return flush(*x)", "out = flush(*x)\n    x[5].mul_(2)\n    return out"),
                        runner.RUNTIME_ERROR, "modified its input 'kbuf'"),
+    # the check of its inputs cannot be switched off from inside: the harness compares the memory it lent
+    "modifies input and hides it": ("import torch\nfrom flush import run as flush\ntorch.equal = lambda a, b: True\n\n"
+                                    "def run(*x):\n    out = flush(*x)\n    x[10].zero_()\n    return out\n",
+                                    runner.RUNTIME_ERROR, "modified its input 'q0'"),
     "returns its inputs": ("def run(codes, s_k, s_v, u, q, *rest):\n    return codes, s_k, s_v, u, q\n",
                            runner.INCORRECT_NUMERICAL, "ratio"),
     "wrong dtype": (CORRECT.replace("return flush(*x)", "o = flush(*x)\n    return (o[0].short(),) + o[1:]"),
