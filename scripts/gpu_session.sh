@@ -29,6 +29,8 @@ for solution in "$@"; do
   # shellcheck disable=SC2086  # RUN_ARGS: more harness.run flags, e.g. RUN_ARGS="--batch-sizes 1,16"
   python3 -m harness.run --device cuda --solution "$solution" ${RUN_ARGS:-} 2>&1 | tee -a "$OUT/run.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # copied now as well as after the search, so that a call cut short during the search keeps the run's traces
+  find traces -type f -newer "$start" -exec cp --parents {} "$OUT/" \;
   if [ "${STRESS_EXAMPLES:-300}" != 0 ] && [ "$solution" != reference ]; then
     python3 -m harness.stress --solution "$solution" --examples "${STRESS_EXAMPLES:-300}" --device cuda --record \
       --no-database 2>&1 | tee -a "$OUT/run.log"
