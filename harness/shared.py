@@ -89,7 +89,8 @@ class _DevicePointer:
     """A device address as an object torch.as_tensor takes without copying (the CUDA array interface)."""
 
     def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "strides": None,
+                                         "version": 2}
 
 
 def _index(device: torch.device) -> int:

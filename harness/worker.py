@@ -1,10 +1,11 @@
 """A solution's worker process: `python -m harness.worker FD`, started by harness.runner inside the sandbox.
 
 It loads the solution named in the first message and answers requests on the socket FD (harness.wire messages):
-"run" (the outputs of one call), the timed loop's "time_prepare" (which lends the memory the timed calls' outputs
-go to), "time_pool" and "time_run" (harness.timing.TimedLoop; the harness kills the worker after that reply), the deployment form's "deploy_case" and "deploy_empty" (harness.deploy: the solution's
-pool.py, imported at the first such request), and "stop". Everything it sends is data that the harness checks;
-nothing in this process is trusted, since the solution's code runs in it.
+"run" (the outputs of one call), the timed loop's "time_prepare" (which lends the memory the timed calls' outputs go
+to), "time_pool" and "time_run" (harness.timing.TimedLoop; the harness kills the worker after that reply), the
+deployment form's "deploy_case" and "deploy_empty" (harness.deploy: the solution's pool.py, imported at the first
+such request), and "stop". Everything it sends is data that the harness checks; nothing in this process is trusted,
+since the solution's code runs in it.
 """
 from __future__ import annotations
 

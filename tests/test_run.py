@@ -122,7 +122,8 @@ def test_a_folder_name_cannot_forge_table_rows(tmp_project, capsys):
     """A solution folder whose name holds a newline and a table row: refused by name in one line, and no line of
     the output starts a row it wrote."""
     forged = "slow\n| cuda_v1 | cuda | PASSED (36 of 36) |"
-    make_solution(tmp_project.solutions, "fine", "from flush import run as flush\n\ndef run(*x):\n    return flush(*x)\n")
+    make_solution(tmp_project.solutions, "fine",
+                  "from flush import run as flush\n\ndef run(*x):\n    return flush(*x)\n")
     folder = make_solution(tmp_project.solutions, "forger", "from flush import run\n")
     folder.rename(folder.with_name(forged))
     raw = (tmp_project.solutions / forged / "solution.json").read_text().replace('"forger"', json.dumps(forged))

@@ -264,3 +264,20 @@ def test_peer_closed_mid_message_raises_eof(pair):
     sender.close()
     with pytest.raises(EOFError):
         wire.receive(receiver, DEADLINE_S, wire.MAX_TENSOR_BYTES)
+
+
+def test_lent_memory_reaches_only_a_receiver_that_borrows(pair):
+    """The harness lends memory to its worker (harness.shared); a worker cannot push a file onto the harness so."""
+    sender, receiver = pair
+    fd = os.memfd_create("lent", 0)
+    try:
+        wire.send(sender, {"op": "run"}, {"x": torch.arange(4.0)}, lend=fd)
+        header, tensors = wire.receive(receiver, DEADLINE_S, wire.MAX_TENSOR_BYTES, borrows=True)
+        assert torch.equal(tensors["x"], torch.arange(4.0))
+        assert os.fstat(header["lent_fd"]).st_ino == os.fstat(fd).st_ino
+        os.close(header["lent_fd"])
+        wire.send(sender, {"status": "ok"}, None, lend=fd)
+        with pytest.raises(wire.WireError, match="lends memory"):
+            wire.receive(receiver, DEADLINE_S, 0)
+    finally:
+        os.close(fd)
