@@ -43,7 +43,7 @@ def write_file(path: str | Path, text: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         try:
-            with os.fdopen(fd, "w") as f:
+            with os.fdopen(fd, "wt") as f:
                 f.write(text)
             os.chmod(tmp, 0o644)            # mkstemp's 0600 is for the half-written file only
             os.replace(tmp, path)
