@@ -2,7 +2,7 @@
 # One GPU session in one command: judge, time and record the given solutions on every workload, one harness.run
 # each (so that a solution's traces are kept even if a later one fails or runs out of time), each followed by a
 # recorded search for breaking inputs (harness.stress, STRESS_EXAMPLES examples, default 300; 0 skips it), then the
-# GPU-only tests (timing, sandbox, deployment form). The trace and record files the run wrote are copied under
+# GPU-only tests (lent memory, timing, sandbox, deployment form). The trace and record files the run wrote are copied under
 # $OUT/traces/<definition>/ (default OUT: gpu_out), ready to copy over the repository's, with two logs beside them.
 #   bash scripts/gpu_session.sh [--no-tests] reference cuda_v1 triton_v1 torch_v1
 set -uo pipefail
@@ -41,7 +41,8 @@ for solution in "$@"; do
   rm -f "$start"
 done
 if [ "$tests" = 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_timing.py tests/test_deployment.py tests/test_sandbox.py 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider tests/test_shared.py tests/test_timing.py tests/test_deployment.py \
+    tests/test_sandbox.py 2>&1 \
     | tee "$OUT/pytest_gpu.log" | tail -15
 fi
 exit $status
