@@ -2,8 +2,9 @@
 # One GPU session in one command: judge, time and record the given solutions on every workload, one harness.run
 # each (so that a solution's traces are kept even if a later one fails or runs out of time), each followed by a
 # recorded search for breaking inputs (harness.stress, STRESS_EXAMPLES examples, default 300; 0 skips it), then the
-# GPU-only tests (lent memory, timing, sandbox, deployment form). The trace and record files the run wrote are copied under
-# $OUT/traces/<definition>/ (default OUT: gpu_out), ready to copy over the repository's, with two logs beside them.
+# GPU-only tests (lent memory, timing, sandbox, deployment form). The trace and record files the run wrote are
+# copied under $OUT/traces/<definition>/ (default OUT: gpu_out), ready to copy over the repository's, with two logs
+# beside them.
 #   bash scripts/gpu_session.sh [--no-tests] reference cuda_v1 triton_v1 torch_v1
 set -uo pipefail
 export PYTHONUNBUFFERED=1
