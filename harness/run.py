@@ -265,7 +265,7 @@ def execute(args: argparse.Namespace) -> int:
         if local:
             done = evaluate_over(slots, calibrations, defn, sol, todo, device, root=root, settings=settings,
                                  hide=(project.root,), timed=timed, run_seed=run_seed, keep_going=args.keep_going,
-                                 on_result=progress)
+                                 on_result=progress, failures=project.stress_failures / "_timed_calls")
         else:
             done = cluster.evaluate_on_cluster(cluster_slots, project, defn, sol, todo, device, workload_file,
                                                settings, run_seed, timed, args.keep_going, progress)

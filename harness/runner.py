@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import save_file
 
 from harness import HarnessError, sandbox, shared, timing, wire
 from harness.definition import Definition
@@ -395,12 +396,15 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
              settings: Settings = Settings(), hide: tuple[Path, ...] = (),
              on_result: Callable[[Result], None] = lambda r: None, timed: bool | None = None,
              run_seed: int | None = None, keep_going: bool = False,
-             calibration: Calibration | None = None, gpu: int | None = None) -> list[Result]:
+             calibration: Calibration | None = None, gpu: int | None = None,
+             failures: Path | None = None) -> list[Result]:
     """Judge one solution on each workload, on its committed inputs and on fresh inputs drawn from `run_seed` (a
     fresh random seed when None); on a GPU, time the ones that pass on fresh inputs, every timed call judged, each
     against the memory floor at settings.bandwidth (bytes/s; measured now if not set). The blobs are under `root`;
     the solution's worker sees neither `root` nor the folders in `hide` (the project's). With `gpu` (a run over
-    several GPUs, device "cuda"), this thread and the worker use that GPU alone."""
+    several GPUs, device "cuda"), this thread and the worker use that GPU alone. With `failures`, a timed call that
+    fails leaves the inputs of its failing batch element there (they come from the device's generator under the
+    schedule seed, which may not exist elsewhere)."""
     if gpu is not None and device == "cuda":
         torch.cuda.set_device(gpu)          # this thread's tensors, judge and clock on that GPU
     timed = device == "cuda" if timed is None else timed
@@ -427,7 +431,8 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
                 result.status, result.log = stopped
             else:
                 try:
-                    _evaluate_one(defn, op, worker, w, device, root, run_seed, timed, settings, calibration, result)
+                    _evaluate_one(defn, op, worker, w, device, root, run_seed, timed, settings, calibration, result,
+                                  failures)
                 except torch.OutOfMemoryError as e:     # the harness's own share (inputs, checks) did not fit
                     result.status, result.log = RUNTIME_ERROR, ("the harness ran out of device memory on this "
                                                                 f"workload: {str(e).splitlines()[0]}")[:400]
@@ -462,7 +467,7 @@ def _calibrate(defn, op, calibration: Calibration, workloads, device, root, sett
 
 
 def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_seed: int, timed: bool,
-                  settings: Settings, calibration, result: Result) -> None:
+                  settings: Settings, calibration, result: Result, failures: Path | None = None) -> None:
     try:
         pristine = load_inputs(defn, w, device, root=root)
     except HarnessError as e:
@@ -475,7 +480,24 @@ def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_
     programs = Programs(defn, w, result.fresh_seed, device, settings.pool_programs if timed else 1)
     _judge_one(defn, op, worker, programs.first(), result, "fresh inputs: ")
     if result.status == PASSED and timed:
-        _time_one(defn, op, worker, pristine, programs, result, settings, calibration)
+        _time_one(defn, op, worker, pristine, programs, result, settings, calibration, failures)
+
+
+def _keep_failing_inputs(inputs: dict, verdict: Verdict, batched, folder: Path | None, stem: str) -> str:
+    """Write the inputs of the batch element that holds the verdict's failing program (extra["program"]) to
+    folder/stem.safetensors; what the log adds to say where ("" when there is nothing to keep)."""
+    program = verdict.extra.get("program")
+    if folder is None or not program:
+        return ""
+    element = int(program[0])
+    kept = {k: (v[element:element + 1] if k in batched else v).detach().cpu().contiguous() for k, v in inputs.items()}
+    path = Path(folder) / f"{stem}.safetensors"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(kept, str(path))
+    except OSError as e:
+        return f"; its inputs could not be kept: {e.strerror}"
+    return f"; element {element}'s inputs in {path}"
 
 
 def run_call(defn: Definition, worker: Worker, inputs: dict, axes: dict) -> tuple[str, str, tuple | None]:
@@ -528,7 +550,7 @@ def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: s
 
 
 def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, result: Result, settings: Settings,
-              calibration: Calibration) -> None:
+              calibration: Calibration, failures: Path | None = None) -> None:
     """Time the solution on fresh programs, judge every timed call's outputs, and refuse a median that the
     harness's clock or the memory floor contradicts."""
     axes = defn.resolve_axes(result.workload.axes)
@@ -556,9 +578,12 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
                          for j in range(len(defn.outputs)))
             verdict = op.judge(inputs, outs, reference(**inputs), defn.reference)
             if not verdict.passed:
-                # the schedule seed with the run seed (in the trace) rebuilds these calls' inputs: timing.draw_calls
+                # the schedule seed with the run seed (in the trace) rebuilds these calls' inputs on this device's
+                # generator (timing.draw_calls); the failing element's inputs are kept for any other machine
+                kept = _keep_failing_inputs(inputs, verdict, batched, failures,
+                                            f"{result.solution}_{result.workload.uuid[:8]}_{m.seed}")
                 result.status, result.log = INCORRECT_NUMERICAL, f"timed calls {first}-{first + count - 1}: " \
-                                                                 f"{verdict.reason} (schedule seed {m.seed})"
+                                                                 f"{verdict.reason} (schedule seed {m.seed}{kept})"
                 return
     finally:
         m.outputs.close()

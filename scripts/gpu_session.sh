@@ -4,7 +4,7 @@
 # recorded search for breaking inputs (harness.stress, STRESS_EXAMPLES examples, default 300; 0 skips it), then the
 # GPU-only tests (lent memory, timing, sandbox, deployment form). The trace and record files the run wrote are
 # copied under $OUT/traces/<definition>/ (default OUT: gpu_out), ready to copy over the repository's, with two logs
-# beside them.
+# beside them; the inputs of failing timed calls and the search's reproducers under $OUT/stress_failures/.
 #   bash scripts/gpu_session.sh [--no-tests] reference cuda_v1 triton_v1 torch_v1
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -31,14 +31,14 @@ for solution in "$@"; do
   python3 -m harness.run --device cuda --solution "$solution" ${RUN_ARGS:-} 2>&1 | tee -a "$OUT/run.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   # copied now as well as after the search, so that a call cut short during the search keeps the run's traces
-  find traces -type f -newer "$start" -exec cp --parents {} "$OUT/" \;
+  find traces stress_failures -type f -newer "$start" -exec cp --parents {} "$OUT/" \; 2>/dev/null
   if [ "${STRESS_EXAMPLES:-300}" != 0 ] && [ "$solution" != reference ]; then
     python3 -m harness.stress --solution "$solution" --examples "${STRESS_EXAMPLES:-300}" --device cuda --record \
       --no-database 2>&1 | tee -a "$OUT/run.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
   echo "$solution: ${SECONDS} s" | tee -a "$OUT/run.log"
-  find traces -type f -newer "$start" -exec cp --parents {} "$OUT/" \;
+  find traces stress_failures -type f -newer "$start" -exec cp --parents {} "$OUT/" \; 2>/dev/null
   rm -f "$start"
 done
 if [ "$tests" = 1 ]; then

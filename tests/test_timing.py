@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import PROJECT, axes_for, make_solution
 from harness import runner, timing
@@ -236,7 +237,7 @@ def _timed_on_cpu(defn, tmp_path, name, code, settings: Settings, dps=False):
     make_solution(tmp_path, name, code, dps=dps)
     workloads = select(load_workloads(defn, PROJECT.workload_file(defn)), [1], ["random"])
     return runner.evaluate(defn, load_solution(name, defn, tmp_path), workloads, "cpu", root=PROJECT.root,
-                           settings=settings, timed=True)
+                           settings=settings, timed=True, failures=tmp_path / "kept")
 
 
 def test_honest_solution_passes_the_cpu_timed_path(defn, tmp_path, cpu_timing):
@@ -276,7 +277,11 @@ def run(*x):
 def test_destination_passing_outputs_left_unwritten_in_the_timed_loop_fail(defn, tmp_path, cpu_timing):
     [r] = _timed_on_cpu(defn, tmp_path, "lazy_dps", LAZY_DPS, cpu_timing, dps=True)
     assert r.status == runner.INCORRECT_NUMERICAL and "timed calls" in r.log, (r.status, r.log)
-    assert re.search(r"\(schedule seed \d+\)$", r.log), r.log         # with the run seed, it rebuilds the calls
+    # with the run seed, the schedule seed rebuilds the calls on this device; the failing element's inputs are kept
+    kept = re.search(r"\(schedule seed \d+; element \d+'s inputs in (\S+\.safetensors)\)$", r.log)
+    assert kept, r.log
+    inputs = load_file(kept.group(1))
+    assert set(inputs) == set(defn.inputs) and inputs["codes"].shape[0] == 1 and inputs["q0"].shape == (128, 4)
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,8 @@ class Operator(Protocol):
     def judge(self, inputs: dict, outputs: tuple, reference_outputs: tuple, reference_code: str | None = None
               ) -> Verdict:
         """Outputs already shape and dtype checked; reference_code is the definition's (the operator may run it in
-        other, equivalent forms)."""
+        other, equivalent forms). A failed verdict may name the failing program's index over the program axes as
+        extra["program"] (the timer then keeps that batch element's inputs)."""
 
     def draw_variants(self, n: int, axes: dict, generator: Any) -> dict:
         """harness.timing: the parameters of n symmetries, one per timed call, drawn from generator."""

@@ -101,20 +101,22 @@ def _first_head(bad: torch.Tensor) -> tuple[int, int]:
 
 def judge(inputs: dict, outputs, reference_outputs, reference_code: str | None = None) -> Verdict:
     """docs/operator.md's criterion on the decoded state; outputs are in definition order, shapes and dtypes checked. A
-    failed verdict names the first failing head in its reason and the kind of failure in extra["failure"]. With the
-    definition's `reference_code`, a head over the ratio is measured again against the most lenient of the
-    reference's equivalent orderings (ORDERINGS) before it fails."""
+    failed verdict names the first failing head in its reason, the kind of failure in extra["failure"] and the
+    head's index over the program axes in extra["program"]. With the definition's `reference_code`, a head over the
+    ratio is measured again against the most lenient of the reference's equivalent orderings (ORDERINGS) before it
+    fails."""
     names = ("codes_new", "s_k_new", "s_v_new", "u_new", "q_new")
     for name, t in zip(names, outputs):
         if t.is_floating_point() and not torch.isfinite(t).all():
             b, h = _first_head(~torch.isfinite(t))
             return Verdict(False, f"non-finite values in {name} at (batch {b}, head {h})", None, math.inf, math.inf,
-                           {"failure": f"non-finite {name}"})
+                           {"failure": f"non-finite {name}", "program": [b, h]})
     out_of_range = (outputs[0] < -QMAX) | (outputs[0] > QMAX)
     if out_of_range.any():
         b, h = _first_head(out_of_range)
         return Verdict(False, f"code {int(outputs[0][b, h].min())} out of range [-127, 127] in codes_new at "
-                              f"(batch {b}, head {h})", None, math.inf, math.inf, {"failure": "code out of range"})
+                              f"(batch {b}, head {h})", None, math.inf, math.inf,
+                       {"failure": "code out of range", "program": [b, h]})
     state = exact_state(inputs)
     scale = state.abs().mean((-2, -1))
     abs_error = _abs_error(outputs, state)
@@ -149,6 +151,7 @@ def judge(inputs: dict, outputs, reference_outputs, reference_code: str | None =
                           + (" against the most lenient equivalent ordering of the reference" if reference_code
                              else ""))
         verdict.extra["failure"] = "worst-head ratio"
+        verdict.extra["program"] = [b, h]
     elif float(cap_use.max()) > 1.0:
         b, h = divmod(int(cap_use.argmax()), cap_use.shape[1])
         verdict.passed = False
@@ -156,5 +159,6 @@ def judge(inputs: dict, outputs, reference_outputs, reference_code: str | None =
                           f"{float(cap[b, h]):g} x mean|S| = {float(cap[b, h] * scale[b, h]):.3g}"
                           + (" (the reference's own checkpoint there is invalid)" if bool(broken[b, h]) else ""))
         verdict.extra["failure"] = "over the cap"
+        verdict.extra["program"] = [b, h]
     return verdict
 
