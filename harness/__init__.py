@@ -1,11 +1,21 @@
 """Definition-driven harness: definition -> workloads -> solution -> judge / timing -> trace -> report."""
 import importlib.abc
 import importlib.machinery
+import re
 import sys
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
 
 
 class HarnessError(Exception):
     """A user-facing error: its message is one line that names the file and the field at fault."""
+
+
+def one_line(text, limit: int | None = None) -> str:
+    """Anything a solution can put into a message (an exception's text, a name, its output) as one printable line:
+    control characters (terminal escapes, carriage returns, line separators) as spaces, runs of whitespace as one,
+    at most `limit` characters."""
+    return " ".join(_CONTROL.sub(" ", str(text)).split())[:limit]
 
 
 class _SourceLoader(importlib.machinery.SourceFileLoader):

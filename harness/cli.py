@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import textwrap
 from typing import Callable
 
 from tabulate import tabulate
 
-from harness import HarnessError
+from harness import HarnessError, one_line
 from harness.project import Project, Settings
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -27,13 +26,10 @@ EXIT_FAILED = 1         # a solution failed (a workload not PASSED, a failure fo
 EXIT_USAGE = 2          # bad usage or input: arguments, definition, solution, workload file
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
-
-
 def cell(value) -> str:
-    """A table cell from anything a solution can influence (its name, an error it raised): one line, control
-    characters as spaces, `|` escaped, so that it can neither end its row nor add columns to a markdown table."""
-    return _CONTROL.sub(" ", str(value)).replace("|", "\\|")
+    """A table cell from anything a solution can influence (its name, an error it raised): one line (one_line), `|`
+    escaped, so that it can neither end its row nor add columns to a markdown table."""
+    return one_line(value).replace("|", "\\|")
 
 
 def table(rows, headers, tablefmt: str = "simple") -> str:

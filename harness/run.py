@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from harness import HarnessError, cli, sandbox, timing, traces
+from harness import HarnessError, cli, one_line, sandbox, timing, traces
 from harness.competition import load_competition
 from harness.definition import project_definition
 from harness.ops import Operator, load_op
@@ -151,7 +151,7 @@ def _progress(solution: str, total: int, score_label: str):
         tqdm.write(f"  [{r.solution} {bar.n}/{total}] {r.workload.label}: {r.status}"
                    + (f" {score_label} {score:.4f}" if score is not None else "")
                    + (f" {r.latency_ms * 1e3:.1f} us" if r.latency_ms is not None else "")
-                   + (f" ({r.log})" if r.log else ""), file=sys.stdout)
+                   + (f" ({one_line(r.log)})" if r.log else ""), file=sys.stdout)
         sys.stdout.flush()
     return report
 

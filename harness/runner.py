@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from harness import HarnessError, sandbox, shared, timing, wire
+from harness import HarnessError, one_line, sandbox, shared, timing, wire
 from harness.definition import Definition
 from harness.ops import Verdict, load_op
 from harness.project import Settings
@@ -65,8 +65,8 @@ def physical_gpu(index: int) -> str:
 
 
 def _one_line(text, limit: int = 500) -> str:
-    """Whatever a worker sent as a message, as one line of at most `limit` characters."""
-    return " ".join(str(text).split())[:limit]
+    """Whatever a worker sent as a message, as one printable line of at most `limit` characters."""
+    return one_line(text, limit)
 
 
 class Worker:
@@ -85,6 +85,7 @@ class Worker:
         self.proc: subprocess.Popen | None = None
         self.load_error: str | None = None
         self.fatal: str | None = None
+        self.gone = True                        # whether the last stop left none of its processes behind
 
     @property
     def isolation(self) -> str:
@@ -176,6 +177,7 @@ class Worker:
         self.proc.wait()
         self.sock.close()
         self.proc = None
+        self.gone = self.box.wait_gone()        # False: something it started may still run
 
     def close(self) -> None:
         self.stop()
@@ -371,6 +373,8 @@ def _timed_measure(defn: Definition, worker: Worker, warm: dict, pool: dict, axe
                 gc.enable()
     finally:
         worker.stop(grace=False)
+    if status == "ok" and not worker.gone:
+        status, reply = RUNTIME_ERROR, f"the worker's processes outlived the kill by {sandbox.GONE_TIMEOUT_S:g} s"
     if status != "ok":
         lent.close()
         return Measurement(status, reply)

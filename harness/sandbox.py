@@ -16,13 +16,16 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import json
 import os
+import select
 import shutil
 import site
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 ROOT_IN_SANDBOX = Path("/sandbox")
@@ -34,6 +37,8 @@ PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE
 HARNESS_PACKAGE = Path(__file__).resolve().parent
 TMPFS_BYTES = 4 << 30           # the worker's /tmp and /dev/shm
 HOME_BYTES = 8 << 30            # a home left larger than this (build caches are far smaller) is deleted
+INFO_TIMEOUT_S = 30.0           # for bwrap to report its child's PID
+GONE_TIMEOUT_S = 30.0           # for a killed sandbox's processes to be gone
 
 
 def cache_root() -> Path:
@@ -146,7 +151,7 @@ class Sandbox:
         self.home = homes / f"{name}-{sha256[:16]}"
         for stale in homes.glob(f"{glob.escape(name)}-*"):     # the caches of this solution's earlier sources
             if stale != self.home and len(stale.name) == len(self.home.name):
-                shutil.rmtree(stale, ignore_errors=True)
+                _remove(stale)
         self.home.mkdir(parents=True, exist_ok=True)
         self.downgrade = unavailable()
         self.sandboxed = self.downgrade is None
@@ -171,17 +176,63 @@ class Sandbox:
         return [*self._prefix, sys.executable, *python_args]
 
     def popen(self, python_args: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
-        """The worker process, in a session of its own (so that killpg ends it and everything it started)."""
-        return subprocess.Popen(self.argv(python_args), env=self.env, cwd=None if self.sandboxed else self.cwd,
-                                pass_fds=pass_fds, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        """The worker process, in a session of its own (so that killpg ends it and everything it started). Sandboxed,
+        bwrap reports the PID of the namespace's first process (`init_pid`, for `wait_gone`)."""
+        self.init_pid = None
+        if not self.sandboxed:
+            return subprocess.Popen(self.argv(python_args), env=self.env, cwd=self.cwd, pass_fds=pass_fds,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        info, info_w = os.pipe()
+        try:
+            argv = self.argv(python_args)
+            at = argv.index("--")
+            proc = subprocess.Popen([*argv[:at], "--info-fd", str(info_w), *argv[at:]], env=self.env,
+                                    pass_fds=(*pass_fds, info_w), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            os.close(info_w)
+            info_w = None
+            text, deadline = b"", time.monotonic() + INFO_TIMEOUT_S
+            while time.monotonic() < deadline:      # to the end: bwrap writes it in pieces, then closes it
+                ready, _, _ = select.select([info], [], [], max(0.0, deadline - time.monotonic()))
+                chunk = os.read(info, 4096) if ready else b""
+                if not chunk:
+                    break
+                text += chunk
+            try:
+                self.init_pid = int(json.loads(text)["child-pid"])
+            except (ValueError, KeyError, TypeError):
+                pass                # bwrap failed to start its child: the worker's first receive reports it
+            return proc
+        finally:
+            os.close(info)
+            if info_w is not None:
+                os.close(info_w)
+
+    def wait_gone(self) -> bool:
+        """After the worker was killed: wait until its PID namespace is gone (the namespace's first process has
+        exited, which the kernel lets it do only once every process in the namespace has), so that nothing the
+        solution started can still write into memory the harness lent it. False when it is still there after
+        GONE_TIMEOUT_S."""
+        if self.init_pid is None:
+            return True
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{self.init_pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                        return True
+            except (OSError, IndexError):
+                return True         # reaped
+            time.sleep(0.001)
+        return False
 
     def close(self) -> None:
         """Remove the staged sources; delete the home if the solution left it larger than HOME_BYTES (it is the one
         place it can write that outlives it: it must not fill the disk for every later run)."""
         self.tmp.cleanup()
         if _size(self.home) > HOME_BYTES:
-            shutil.rmtree(self.home, ignore_errors=True)
+            _remove(self.home)
 
 
 def _within(path: Path, roots: list[Path]) -> bool:
@@ -190,12 +241,26 @@ def _within(path: Path, roots: list[Path]) -> bool:
 
 
 def _size(folder: Path) -> int:
-    """Bytes of the files under folder (links not followed)."""
-    total = 0
-    for dirpath, _, files in os.walk(folder):
-        for f in files:
+    """Bytes of the files under folder, links not followed; walked with a list, not recursion (a solution controls
+    how deep the folder goes)."""
+    total, todo = 0, [str(folder)]
+    while todo:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:
+            continue
+        for entry in entries:
             try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(entry.path)
+                else:
+                    total += entry.stat(follow_symlinks=False).st_size
             except OSError:
                 pass
     return total
+
+
+def _remove(folder: Path) -> None:
+    """Delete a folder a solution wrote, however deep (rm, which does not recurse on the stack as shutil.rmtree
+    does)."""
+    subprocess.run(["rm", "-rf", "--", str(folder)], stdin=subprocess.DEVNULL, capture_output=True, check=False)

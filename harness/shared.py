@@ -16,6 +16,7 @@ call wrote into its inputs.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 
@@ -126,9 +127,11 @@ class Lent:
 
     def _lend_cpu(self, nbytes: int) -> None:
         self.nbytes = max(nbytes, 1)
-        self.fd = os.memfd_create("lent", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("lent", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self._close.append(lambda: os.close(self.fd))
         os.ftruncate(self.fd, self.nbytes)
+        # its size fixed for good: a borrower that shrank it would make this process's reads past the end a SIGBUS
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         # the map lives as long as a view of it: it is unmapped when the last one is gone
         self.tensor = torch.frombuffer(mmap.mmap(self.fd, self.nbytes), dtype=torch.uint8)
         self._close.append(lambda: setattr(self, "tensor", None))

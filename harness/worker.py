@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from harness import deploy, shared, timing, wire
+from harness import deploy, one_line, shared, timing, wire
 from harness.definition import parse_definition
 from harness.ops import load_op
 from harness.solutions import NULL, REFERENCE, Solution, load_entry, load_module, null_solution, reference_solution
@@ -29,7 +29,7 @@ WAIT_FOREVER = 1e9
 
 def _one_line(e: BaseException) -> str:
     """The exception as one line, with the deepest frame of the solution's own code when there is one."""
-    msg = " ".join(str(e).split()) or "(no message)"
+    msg = one_line(e) or "(no message)"
     frames = [f for f in traceback.extract_tb(e.__traceback__) if "/harness/" not in f.filename]
     where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
     return f"{type(e).__name__}: {msg[:400]}{where}"

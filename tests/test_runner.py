@@ -38,6 +38,8 @@ BAD = {
               "    return tuple(torch.zeros_like(t) for t in flush(*x))\n", runner.INCORRECT_NUMERICAL, ""),
     "returns its input": (CORRECT.replace("return flush(*x)", "o = flush(*x)\n    return (x[0],) + o[1:]"),
                           runner.INCORRECT_NUMERICAL, ""),
+    "terminal escapes in its message": ("def run(*x):\n    raise ValueError('\\x1b[2K\\x1b[G  PASSED \\x1b[8m')\n",
+                                        runner.RUNTIME_ERROR, "ValueError: [2K [G PASSED [8m"),
     "not a tuple of tensors": ("def run(*x):\n    return 'done'\n", runner.INCORRECT_SHAPE, "returned 1 outputs"),
 }
 

@@ -775,6 +775,31 @@ def test_a_home_left_too_large_is_deleted_and_older_homes_are_pruned(defn, one, 
     assert list((sandbox.cache_root() / "home").glob("flooder-*")) == []
 
 
+DEEP_HOME = '''
+import os
+from flush import run as flush
+
+_here = os.getcwd()
+os.chdir(os.path.expanduser("~"))
+for _ in range(1500):           # deeper than Python's recursion limit
+    os.makedirs("d", exist_ok=True)
+    os.chdir("d")
+os.chdir(_here)
+
+
+def run(*x):
+    return flush(*x)
+'''
+
+
+@needs_sandbox
+def test_a_home_deeper_than_the_recursion_limit_is_measured_and_removed(defn, one, tmp_path, monkeypatch):
+    monkeypatch.setattr(sandbox, "HOME_BYTES", -1)      # every home is "too large": it is removed after the run
+    [result] = judge(defn, plant(defn, tmp_path / "planted", "deep_home", DEEP_HOME), one)
+    assert result.status == runner.PASSED, result.log
+    assert list((sandbox.cache_root() / "home").glob("deep_home-*")) == []
+
+
 def peak_rss_mb() -> float:
     status = Path("/proc/self/status").read_text()
     return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) / 1024

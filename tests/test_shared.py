@@ -1,5 +1,6 @@
 """harness.shared: memory the harness lends a worker. What the borrowing process writes is what the owner reads, at
 the offsets the layout gives, on the CPU and (skipped without one) on a GPU."""
+import os
 import socket
 import subprocess
 import sys
@@ -62,3 +63,14 @@ def test_what_a_borrower_writes_the_owner_reads(device):
     for k, group in enumerate(groups):
         for j, t in enumerate(group):
             assert t.eq(10 * k + j + 1).all(), (k, j, t)
+
+
+def test_a_borrower_cannot_shrink_the_lent_memory():
+    """Reads past the end of a shrunk memfd would kill the owner with SIGBUS: its size is sealed."""
+    lent = shared.Lent(4096, "cpu")
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(lent.fd, 0)
+        assert lent.tensor[-1].item() == 0
+    finally:
+        lent.close()

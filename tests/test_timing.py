@@ -146,6 +146,40 @@ def run(*x):
         return flush(*x)
     return tuple(torch.empty_like(t) for t in flush(*x))
 """,
+    # the same from a child process in a session of its own, which the kill of the worker's process group misses:
+    # it dies with the sandbox's PID namespace, which the harness waits for before it reads
+    "late_outputs_from_a_child": """
+import os
+import torch
+import harness.timing as timing
+from flush import run as flush
+_timed = [False]
+_run = timing.TimedLoop.run
+
+
+def _timed_run(self, seed):
+    _timed[0] = True
+    try:
+        return _run(self, seed)
+    finally:
+        _timed[0] = False
+        if os.fork() == 0:
+            os.setsid()
+            for k in range(self.n_calls):
+                x = timing.call_inputs(self.op, self.pool, self.batched, self.unit, self.index, self.variants, k)
+                for slot, t in zip(self.slots[k], flush(*x.values())):
+                    slot.copy_(t)
+            os._exit(0)
+
+
+timing.TimedLoop.run = _timed_run
+
+
+def run(*x):
+    if not _timed[0]:
+        return flush(*x)
+    return tuple(torch.empty_like(t) for t in flush(*x))
+""",
     # the loop's own clock replaced by megabytes of JSON that would land in the committed trace
     "junk_loop_clock": """
 import harness.timing as timing
@@ -252,6 +286,7 @@ def test_honest_solution_passes_the_cpu_timed_path(defn, tmp_path, cpu_timing):
     ("forges_clock", runner.RUNTIME_ERROR, ("outside the timed region",)),
     ("replays_by_buffer", runner.INCORRECT_NUMERICAL, ("timed calls", "fresh inputs")),
     ("late_outputs", runner.INCORRECT_NUMERICAL, ("timed calls",)),
+    ("late_outputs_from_a_child", runner.INCORRECT_NUMERICAL, ("timed calls",)),
     ("junk_loop_clock", runner.RUNTIME_ERROR, ("no valid latencies",)),
 ])
 def test_timing_attack_loses_on_cpu(defn, tmp_path, cpu_timing, cheat, status, messages):
