@@ -184,10 +184,9 @@ class Worker:
         self.box.close()
 
 
-def check_outputs(defn: Definition, specs, tensors: dict, axes: dict, device: str,
-                  leading: int = 1) -> tuple[str, str]:
-    """(status, log) of a worker's reply against the definition: count, plain dense tensors, shapes (the first dim
-    `leading` times the definition's), dtypes, device."""
+def check_outputs(defn: Definition, specs, tensors: dict, axes: dict, device: str) -> tuple[str, str]:
+    """(status, log) of a worker's reply against the definition: count, plain dense tensors, shapes, dtypes,
+    device."""
     outputs = list(defn.outputs.items())
     if not isinstance(specs, list) or len(specs) != len(outputs) or not all(isinstance(s, dict) for s in specs):
         n = len(specs) if isinstance(specs, list) else "?"
@@ -197,7 +196,6 @@ def check_outputs(defn: Definition, specs, tensors: dict, axes: dict, device: st
         if desc.get("kind") != "tensor" or t is None:
             return INCORRECT_SHAPE, f"{name} is a {str(desc.get('kind'))[:60]}, not a plain dense tensor"
         shape = defn.shape(spec, axes)
-        shape = (shape[0] * leading, *shape[1:])
         if tuple(t.shape) != shape:
             return INCORRECT_SHAPE, f"{name} has shape {tuple(t.shape)}, expected {shape}"
         if t.dtype != spec.torch_dtype:
@@ -222,10 +220,10 @@ def outputs_nbytes(defn: Definition, axes: dict) -> int:
     return sum(math.prod(defn.shape(s, axes)) * s.torch_dtype.itemsize for s in defn.outputs.values())
 
 
-def reply_bytes(defn: Definition, axes: dict, calls: int = 1) -> int:
-    """The most a reply carrying the outputs of `calls` calls may hold: room for outputs of the widest dtype (so that
-    a wrong dtype is reported as such rather than as a malformed reply) and the wire's alignment."""
-    return 8 * calls * outputs_nbytes(defn, axes) + wire.MAX_PADDING
+def reply_bytes(defn: Definition, axes: dict) -> int:
+    """The most a reply carrying a call's outputs may hold: room for outputs of the widest dtype (so that a wrong
+    dtype is reported as such rather than as a malformed reply) and the wire's alignment."""
+    return 8 * outputs_nbytes(defn, axes) + wire.MAX_PADDING
 
 
 def floor_ms(defn: Definition, axes: dict, bandwidth: float) -> float:
@@ -358,7 +356,7 @@ def _timed_measure(defn: Definition, worker: Worker, warm: dict, pool: dict, axe
         status, reply, _ = worker.request(
             {"op": "time_prepare", "axes": axes, "batched": list(batched), "n_prefix": n_prefix,
              "n_calls": n_calls, "warmup_replays": warmup_replays, "lent_bytes": lent.nbytes,
-             "outputs": [[str(dtype).removeprefix("torch."), list(shape)] for dtype, shape in specs]},
+             "outputs": [[wire.dtype_name(dtype), list(shape)] for dtype, shape in specs]},
             warm, "capturing", 0, lend=lent.fd)
         if status == "ok":
             status, reply, _ = worker.request({"op": "time_pool"}, pool, "loading the pool", 0)
@@ -517,8 +515,7 @@ def run_call(defn: Definition, worker: Worker, inputs: dict, axes: dict) -> tupl
         for name, t in inputs.items():
             lent_inputs[name].copy_(t)
         header = {"op": "run", "axes": axes, "lent_bytes": lent.nbytes,
-                  "inputs": [[name, str(dtype).removeprefix("torch."), list(shape)]
-                             for name, (dtype, shape) in zip(names, specs)]}
+                  "inputs": [[name, wire.dtype_name(dtype), list(shape)] for name, (dtype, shape) in zip(names, specs)]}
         status, reply, tensors = worker.request(header, None, "running", reply_bytes(defn, axes), lend=lent.fd)
         if status != "ok":
             return status, reply, None

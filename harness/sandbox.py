@@ -179,35 +179,26 @@ class Sandbox:
         """The worker process, in a session of its own (so that killpg ends it and everything it started). Sandboxed,
         bwrap reports the PID of the namespace's first process (`init_pid`, for `wait_gone`)."""
         self.init_pid = None
-        if not self.sandboxed:
-            return subprocess.Popen(self.argv(python_args), env=self.env, cwd=self.cwd, pass_fds=pass_fds,
+        argv, info = self.argv(python_args), None
+        if self.sandboxed:
+            info, info_w = os.pipe()
+            at = argv.index("--")
+            argv, pass_fds = [*argv[:at], "--info-fd", str(info_w), *argv[at:]], (*pass_fds, info_w)
+        try:
+            proc = subprocess.Popen(argv, env=self.env, cwd=None if self.sandboxed else self.cwd, pass_fds=pass_fds,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-        info, info_w = os.pipe()
-        try:
-            argv = self.argv(python_args)
-            at = argv.index("--")
-            proc = subprocess.Popen([*argv[:at], "--info-fd", str(info_w), *argv[at:]], env=self.env,
-                                    pass_fds=(*pass_fds, info_w), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            os.close(info_w)
-            info_w = None
-            text, deadline = b"", time.monotonic() + INFO_TIMEOUT_S
-            while time.monotonic() < deadline:      # to the end: bwrap writes it in pieces, then closes it
-                ready, _, _ = select.select([info], [], [], max(0.0, deadline - time.monotonic()))
-                chunk = os.read(info, 4096) if ready else b""
-                if not chunk:
-                    break
-                text += chunk
-            try:
-                self.init_pid = int(json.loads(text)["child-pid"])
-            except (ValueError, KeyError, TypeError):
-                pass                # bwrap failed to start its child: the worker's first receive reports it
-            return proc
+        except BaseException:
+            if info is not None:
+                os.close(info)
+            raise
         finally:
-            os.close(info)
-            if info_w is not None:
+            if info is not None:
                 os.close(info_w)
+        if info is not None:
+            with os.fdopen(info, "rb") as reader:
+                self.init_pid = _child_pid(reader)
+        return proc
 
     def wait_gone(self) -> bool:
         """After the worker was killed: wait until its PID namespace is gone (the namespace's first process has
@@ -238,6 +229,23 @@ class Sandbox:
 def _within(path: Path, roots: list[Path]) -> bool:
     path = path.resolve()
     return any(path == r.resolve() or r.resolve() in path.parents for r in roots)
+
+
+def _child_pid(reader) -> int | None:
+    """The PID bwrap reports (--info-fd) for the namespace's first process: read to the end (bwrap writes it in
+    pieces, then closes it) within INFO_TIMEOUT_S; None when it failed to start its child (the worker's first
+    receive reports that)."""
+    text, deadline = b"", time.monotonic() + INFO_TIMEOUT_S
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([reader], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = reader.read1(4096) if ready else b""
+        if not chunk:
+            break
+        text += chunk
+    try:
+        return int(json.loads(text)["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _size(folder: Path) -> int:

@@ -26,7 +26,12 @@ MAX_TENSOR_BYTES = 1 << 36      # 64 GiB: the worker's bound on the harness's (t
 _LENGTH = struct.Struct("<Q")
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 # no bool: a byte other than 0 or 1 is not one
-DTYPES = {str(d).removeprefix("torch."): d for d in (
+def dtype_name(dtype: torch.dtype) -> str:
+    """How a message names a dtype (FlashInfer-bench's name: torch's without "torch.")."""
+    return str(dtype).removeprefix("torch.")
+
+
+DTYPES = {dtype_name(d): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)}
 _ALIGN = 64
@@ -44,7 +49,7 @@ def _pack(tensors: dict[str, torch.Tensor]) -> tuple[list[dict], int | None]:
     specs, offset = [], 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        specs.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+        specs.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
                       "offset": offset})
         offset += -(-nbytes // _ALIGN) * _ALIGN
     fd = os.memfd_create("wire", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)

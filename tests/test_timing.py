@@ -37,6 +37,43 @@ def _loop():
     return None
 """
 
+# Timed calls that return nothing useful; when the timed loop replies, `start` sets _fill_late(self) going, which
+# writes every timed call's real outputs into the loop's output slots
+LATE_OUTPUTS = """
+import os
+import threading
+import torch
+import harness.timing as timing
+from flush import run as flush
+_timed = [False]
+_run = timing.TimedLoop.run
+
+
+def _fill_late(loop):
+    for k in range(loop.n_calls):
+        x = timing.call_inputs(loop.op, loop.pool, loop.batched, loop.unit, loop.index, loop.variants, k)
+        for slot, t in zip(loop.slots[k], flush(*x.values())):
+            slot.copy_(t)
+
+
+def _timed_run(self, seed):
+    _timed[0] = True
+    try:
+        return _run(self, seed)
+    finally:
+        _timed[0] = False
+        {start}
+
+
+timing.TimedLoop.run = _timed_run
+
+
+def run(*x):
+    if not _timed[0]:
+        return flush(*x)
+    return tuple(torch.empty_like(t) for t in flush(*x))
+"""
+
 CHEATS = {
     # the real flush done in the output-poisoning hook, before the timed region, into buffers the timed call copies
     "poison_hook": FIND_LOOP + """
@@ -113,73 +150,11 @@ def run(*x):
 """,
     # the timed calls do nothing; as the loop replies, a thread of the worker starts computing every timed call's
     # real outputs into the loop's output slots, after the harness's clock has stopped
-    "late_outputs": """
-import threading
-import torch
-import harness.timing as timing
-from flush import run as flush
-_timed = [False]
-_run = timing.TimedLoop.run
-
-
-def _fill_late(loop):
-    for k in range(loop.n_calls):
-        x = timing.call_inputs(loop.op, loop.pool, loop.batched, loop.unit, loop.index, loop.variants, k)
-        for slot, t in zip(loop.slots[k], flush(*x.values())):
-            slot.copy_(t)
-
-
-def _timed_run(self, seed):
-    _timed[0] = True
-    try:
-        return _run(self, seed)
-    finally:
-        _timed[0] = False
-        threading.Thread(target=_fill_late, args=(self,)).start()
-
-
-timing.TimedLoop.run = _timed_run
-
-
-def run(*x):
-    if not _timed[0]:
-        return flush(*x)
-    return tuple(torch.empty_like(t) for t in flush(*x))
-""",
+    "late_outputs": LATE_OUTPUTS.format(start="threading.Thread(target=_fill_late, args=(self,)).start()"),
     # the same from a child process in a session of its own, which the kill of the worker's process group misses:
     # it dies with the sandbox's PID namespace, which the harness waits for before it reads
-    "late_outputs_from_a_child": """
-import os
-import torch
-import harness.timing as timing
-from flush import run as flush
-_timed = [False]
-_run = timing.TimedLoop.run
-
-
-def _timed_run(self, seed):
-    _timed[0] = True
-    try:
-        return _run(self, seed)
-    finally:
-        _timed[0] = False
-        if os.fork() == 0:
-            os.setsid()
-            for k in range(self.n_calls):
-                x = timing.call_inputs(self.op, self.pool, self.batched, self.unit, self.index, self.variants, k)
-                for slot, t in zip(self.slots[k], flush(*x.values())):
-                    slot.copy_(t)
-            os._exit(0)
-
-
-timing.TimedLoop.run = _timed_run
-
-
-def run(*x):
-    if not _timed[0]:
-        return flush(*x)
-    return tuple(torch.empty_like(t) for t in flush(*x))
-""",
+    "late_outputs_from_a_child": LATE_OUTPUTS.format(
+        start="if os.fork() == 0:\n            os.setsid()\n            _fill_late(self)\n            os._exit(0)"),
     # the loop's own clock replaced by megabytes of JSON that would land in the committed trace
     "junk_loop_clock": """
 import harness.timing as timing
