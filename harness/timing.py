@@ -38,8 +38,9 @@ from typing import Callable
 import torch
 
 INPUT_SETS = 4
-CLOCK_TOLERANCE = 0.10          # the median may fall this far below the mean the harness's clock allows ...
-CLOCK_SLACK_MS = 1.0            # ... after this much of the loop's wall time is set aside as noise
+# every committed trace's honest loop clears these by 9 us a call or more (tests/test_timing.py checks them all)
+CLOCK_TOLERANCE = 0.05          # the median may fall this far below the mean the harness's clock allows ...
+CLOCK_SLACK_MS = 0.5            # ... after this much of the loop's wall time is set aside as noise
 # ... and this much a call: the loop's preparation of the next call ran 5-17 us slower (H200, any batch size) after
 # an honest kernel than after the null call, which writes the same outputs; the cause was not isolated
 CLOCK_SLACK_PER_CALL_MS = 0.030

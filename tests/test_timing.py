@@ -13,6 +13,7 @@ from conftest import PROJECT, axes_for, make_solution
 from harness import runner, timing
 from harness.ops import leapquant_kda_flush as op
 from harness.project import Settings
+from harness.traces import read_traces
 from harness.solutions import load_solution
 from harness.workloads import load_workloads, select
 
@@ -232,6 +233,19 @@ def test_clock_disagreement():
                                      null_call_ms=0.2) is None
     assert timing.clock_disagreement([0.85] * 50, wall_ms=50.0 + timing.CLOCK_SLACK_MS, null_wall_ms=10.0,
                                      null_call_ms=0.2) is not None
+
+
+def test_every_recorded_honest_loop_passes_the_clock_check():
+    """The check's constants against every timed loop the committed traces hold (honest kernels, several GPUs): a
+    tightening that would refuse one of them fails here rather than on the next GPU run."""
+    loops = [(t.evaluation.performance.latency_ms, t.evaluation.performance.clock)
+             for path in sorted(PROJECT.traces.glob("*/*.jsonl")) for t in read_traces(path)
+             if t.evaluation.performance is not None and t.evaluation.performance.clock]
+    assert len(loops) >= 100
+    for median, clock in loops:
+        refused = timing.clock_disagreement([median] * clock["timed_calls"], clock["wall_ms"], clock["null_wall_ms"],
+                                            clock["null_call_ms"])
+        assert refused is None, refused
 
 
 @pytest.fixture
