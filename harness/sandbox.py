@@ -140,6 +140,7 @@ class Sandbox:
 
     def __init__(self, name: str, files: list[tuple[str, bytes]], sha256: str, hide: list[Path],
                  extra_env: dict[str, str]):
+        self.init_pid, self._init_fd = None, None
         self.tmp = tempfile.TemporaryDirectory(prefix="harness_stage_")
         stage = Path(self.tmp.name) / "solution"
         for path, data in files:
@@ -178,7 +179,7 @@ class Sandbox:
     def popen(self, python_args: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
         """The worker process, in a session of its own (so that killpg ends it and everything it started). Sandboxed,
         bwrap reports the PID of the namespace's first process (`init_pid`, for `wait_gone`)."""
-        self.init_pid = None
+        self.init_pid, self._init_fd = None, None
         argv, info = self.argv(python_args), None
         if self.sandboxed:
             info, info_w = os.pipe()
@@ -198,6 +199,11 @@ class Sandbox:
         if info is not None:
             with os.fdopen(info, "rb") as reader:
                 self.init_pid = _child_pid(reader)
+            if self.init_pid is not None:
+                try:    # opened while the worker surely runs: the descriptor cannot name a later process of that PID
+                    self._init_fd = os.pidfd_open(self.init_pid)
+                except ProcessLookupError:
+                    self._init_fd = None            # already gone
         return proc
 
     def wait_gone(self) -> bool:
@@ -205,22 +211,20 @@ class Sandbox:
         exited, which the kernel lets it do only once every process in the namespace has), so that nothing the
         solution started can still write into memory the harness lent it. False when it is still there after
         GONE_TIMEOUT_S."""
-        if self.init_pid is None:
+        if self._init_fd is None:
             return True
-        deadline = time.monotonic() + GONE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                with open(f"/proc/{self.init_pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                        return True
-            except (OSError, IndexError):
-                return True         # reaped
-            time.sleep(0.001)
-        return False
+        readable, _, _ = select.select([self._init_fd], [], [], GONE_TIMEOUT_S)   # a pidfd reads ready once it exits
+        if readable:
+            os.close(self._init_fd)
+            self._init_fd = None
+        return bool(readable)
 
     def close(self) -> None:
         """Remove the staged sources; delete the home if the solution left it larger than HOME_BYTES (it is the one
         place it can write that outlives it: it must not fill the disk for every later run)."""
+        if self._init_fd is not None:
+            os.close(self._init_fd)
+            self._init_fd = None
         self.tmp.cleanup()
         if _size(self.home) > HOME_BYTES:
             _remove(self.home)

@@ -337,6 +337,27 @@ def test_a_detached_process_dies_with_the_worker(defn, one, tmp_path):
     assert not (home / "forged.jsonl").exists() and not forged.exists()
 
 
+
+@needs_sandbox
+def test_the_worker_is_gone_only_when_its_pid_namespace_is(tmp_path, monkeypatch):
+    """wait_gone reports a live namespace (a process in a session of its own inside it) as not gone, and the same
+    namespace as gone at once after the kill."""
+    monkeypatch.setattr(sandbox, "GONE_TIMEOUT_S", 0.5)
+    files = [("solution.json", b"{}")]
+    box = sandbox.Sandbox("gone", files, sandbox.files_sha256(files), [ROOT], {})
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\ntime.sleep(60)"
+    proc = box.popen(["-c", code], pass_fds=())
+    try:
+        assert box.init_pid is not None
+        assert not box.wait_gone()
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        start = time.monotonic()
+        assert box.wait_gone()
+        assert time.monotonic() - start < 0.5
+    finally:
+        box.close()
+
 # 4. A forged judge: bytecode planted beside the operator module, the definition edited ----------------------------
 
 JUDGE = "harness/ops/leapquant_kda_flush/criterion.py"
