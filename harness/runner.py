@@ -58,10 +58,11 @@ class Result:
     device: str = ""                    # where it ran: "cpu", "cuda", or "cuda:<index>" in a run over several GPUs
 
 
-def physical_gpu(index: int) -> str:
-    """The CUDA_VISIBLE_DEVICES entry of this process's GPU `index` (its own CUDA_VISIBLE_DEVICES, if set, maps it)."""
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    return visible[index] if index < len(visible) else str(index)
+def gpu_uuid(index: int | None) -> str:
+    """The UUID of this process's CUDA device `index` (None: the current one), which names that GPU to a worker
+    whatever its own device numbering."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
+    return str(props.uuid)
 
 
 def _one_line(text, limit: int = 500) -> str:
@@ -79,9 +80,8 @@ class Worker:
         self.files = sol.files(defn)                        # read, and hashed, before anything of it runs
         self.sha256 = sandbox.files_sha256(self.files)
         env = {"TRITON_INTERPRET": "1"} if device == "cpu" and sol.language == "triton" else {}
-        if gpu is not None and device == "cuda":             # the worker sees that one GPU, as "cuda"
-            env["CUDA_VISIBLE_DEVICES"] = physical_gpu(gpu)
-        self.box = sandbox.Sandbox(sol.name.strip("<>"), self.files, self.sha256, hide, env)
+        uuid = gpu_uuid(gpu) if device == "cuda" else None      # the worker sees that one GPU, as "cuda"
+        self.box = sandbox.Sandbox(sol.name.strip("<>"), self.files, self.sha256, hide, env, gpu=uuid)
         self.proc: subprocess.Popen | None = None
         self.load_error: str | None = None
         self.fatal: str | None = None
@@ -89,7 +89,9 @@ class Worker:
 
     @property
     def isolation(self) -> str:
-        return "bwrap" if self.box.sandboxed else f"unsandboxed ({self.box.downgrade})"
+        if not self.box.sandboxed:
+            return f"unsandboxed ({self.box.downgrade})"
+        return f"bwrap ({self.box.gpu_note})" if self.box.gpu_note else "bwrap"
 
     def start(self) -> None:
         self.sock, child = socket.socketpair()
@@ -514,6 +516,7 @@ def run_call(defn: Definition, worker: Worker, inputs: dict, axes: dict) -> tupl
         lent_inputs = dict(zip(names, shared.views(lent.tensor, specs, 1)[0]))
         for name, t in inputs.items():
             lent_inputs[name].copy_(t)
+        lent.settle()
         header = {"op": "run", "axes": axes, "lent_bytes": lent.nbytes,
                   "inputs": [[name, wire.dtype_name(dtype), list(shape)] for name, (dtype, shape) in zip(names, specs)]}
         status, reply, tensors = worker.request(header, None, "running", reply_bytes(defn, axes), lend=lent.fd)

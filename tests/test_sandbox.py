@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 import harness.run as harness_run
 from conftest import DEFINITION, PROJECT, ROOT, make_solution
@@ -357,6 +358,50 @@ def test_the_worker_is_gone_only_when_its_pid_namespace_is(tmp_path, monkeypatch
         assert time.monotonic() - start < 0.5
     finally:
         box.close()
+
+
+def fake_driver(tmp_path: Path, gpus: dict[str, int]) -> tuple[Path, Path]:
+    """A /dev and a /proc/driver/nvidia/gpus as the driver lays them out, for GPUs {uuid: minor}."""
+    dev, proc = tmp_path / "dev", tmp_path / "gpus"
+    for name in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-caps", *(f"nvidia{m}" for m in gpus.values())):
+        (dev / name).mkdir(parents=True)
+    for i, (uuid, minor) in enumerate(gpus.items()):
+        (proc / f"0000:{i:02x}:00.0").mkdir(parents=True)
+        (proc / f"0000:{i:02x}:00.0" / "information").write_text(
+            f"Model: \t\t NVIDIA H100\nIRQ: \t\t 17\nGPU UUID: \t GPU-{uuid}\nBus Location: \t 0000:{i:02x}:00.0\n"
+            f"Device Minor: \t {minor}\nGPU Excluded:\t No\n")
+    return dev, proc
+
+
+def test_a_worker_is_given_its_own_gpu_node_and_no_other(tmp_path):
+    uuids = {"0a-11": 3, "0b-22": 0, "0c-33": 1}
+    dev, proc = fake_driver(tmp_path, uuids)
+    control = [str(dev / n) for n in ("nvidia-caps", "nvidia-uvm", "nvidia-uvm-tools", "nvidiactl")]
+    for uuid, minor in uuids.items():
+        assert sandbox.gpu_minor(f"GPU-{uuid.upper()}", proc) == minor
+        nodes, note = sandbox.gpu_nodes(uuid, dev, proc)
+        assert (sorted(nodes), note) == (sorted([*control, str(dev / f"nvidia{minor}")]), "")
+    assert sandbox.gpu_nodes(None, dev, proc) == ([], "")           # a CPU run: no GPU at all
+    nodes, note = sandbox.gpu_nodes("0d-44", dev, proc)              # unknown to the driver: said, not hidden
+    assert len(nodes) == len(control) + 3 and "every GPU visible" in note
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@needs_sandbox
+def test_the_sandboxed_worker_sees_exactly_its_gpu(tmp_path):
+    files = [("solution.json", b"{}")]
+    uuid = runner.gpu_uuid(None)
+    box = sandbox.Sandbox("one-gpu", files, sandbox.files_sha256(files), [ROOT], {}, gpu=uuid)
+    code = ("import glob, torch; print(torch.cuda.device_count(), str(torch.cuda.get_device_properties(0).uuid),"
+            " sorted(glob.glob('/dev/nvidia[0-9]*')))")
+    proc = box.popen(["-c", code], pass_fds=())
+    try:
+        out = proc.communicate(timeout=120)[0].decode()
+    finally:
+        box.close()
+    minor = sandbox.gpu_minor(uuid)
+    assert box.gpu_note == "" and minor is not None, box.gpu_note
+    assert out.split(" ", 2) == ["1", uuid, f"['/dev/nvidia{minor}']\n"], out
 
 # 4. A forged judge: bytecode planted beside the operator module, the definition edited ----------------------------
 
