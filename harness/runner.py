@@ -40,6 +40,7 @@ COMPILE_ERROR = EvaluationStatus.COMPILE_ERROR
 TIMEOUT = EvaluationStatus.TIMEOUT
 STOP_GRACE_S = 2.0
 JUDGED_PROGRAMS = 1 << 14       # programs the judge takes at once when it checks the timed calls
+LATE_WRITE_SAMPLES = 1 << 16    # words of the timed calls' outputs read at the reply and again once the worker is gone
 
 
 @dataclass
@@ -347,13 +348,15 @@ def _timed_measure(defn: Definition, worker: Worker, warm: dict, pool: dict, axe
                    n_calls: int, warmup_replays: int) -> Measurement:
     """One timed loop in the worker (harness.timing): capture on `warm`, lend it the memory for the outputs of the
     n_calls timed calls, send the pool, then the schedule seed alone, timed by the wall clock until the reply. The
-    worker is killed the moment it replies (whatever it replied): nothing it would compute afterwards reaches the
-    outputs, which the harness reads only then."""
+    worker is killed the moment it replies (whatever it replied), and the outputs are read only once it is gone. Work
+    it left running past its reply (GPU kernels outlive the process until the driver tears its context down) would
+    write outputs outside the clock: words at random places, read at the reply and again then, show it."""
     specs = output_specs(defn, axes)
     device = next(iter(pool.values())).device
-    lent = shared.Lent(n_calls * shared.layout(specs)[1], device)
+    output_bytes = n_calls * shared.layout(specs)[1]
+    lent = shared.Lent(output_bytes, device)
     seed = int.from_bytes(os.urandom(7), "little")
-    wall_ms = None
+    wall_ms = probe = None
     try:
         status, reply, _ = worker.request(
             {"op": "time_prepare", "axes": axes, "batched": list(batched), "n_prefix": n_prefix,
@@ -369,16 +372,33 @@ def _timed_measure(defn: Definition, worker: Worker, warm: dict, pool: dict, axe
                 t0 = time.perf_counter()
                 status, reply, _ = worker.request({"op": "time_run", "seed": seed}, None, "timing", 0)
                 wall_ms = (time.perf_counter() - t0) * 1e3
+                if status == "ok":
+                    probe = _sample_words(lent, output_bytes)
             finally:
                 gc.enable()
     finally:
         worker.stop(grace=False)
     if status == "ok" and not worker.gone:
         status, reply = RUNTIME_ERROR, f"the worker's processes outlived the kill by {sandbox.GONE_TIMEOUT_S:g} s"
+    if status == "ok" and not torch.equal(_sample_words(lent, output_bytes, probe[0])[1], probe[1]):
+        status, reply = RUNTIME_ERROR, "its outputs changed after its reply: work left running past the timed loop"
     if status != "ok":
         lent.close()
         return Measurement(status, reply)
     return Measurement(status, reply, seed, wall_ms, lent)
+
+
+def _sample_words(lent: shared.Lent, nbytes: int, where: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(places, values) of LATE_WRITE_SAMPLES 4-byte words of the first `nbytes` of the lent memory: at places drawn
+    here (unknown to the worker) unless given."""
+    words = lent.tensor[:nbytes // 4 * 4].view(torch.int32)
+    if where is None and words.numel() == 0:
+        where = torch.zeros(0, dtype=torch.long, device=words.device)
+    elif where is None:
+        draw = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+        where = torch.randint(words.numel(), (LATE_WRITE_SAMPLES,), generator=draw).to(words.device)
+    return where, words[where].cpu()
 
 
 def _times(value, n: int) -> list[float] | None:

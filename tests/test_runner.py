@@ -1,5 +1,6 @@
 """The runner on misbehaving solutions: each gets its status and a one-line log, and never stops the others."""
 import json
+import mmap
 import time
 
 import pytest
@@ -129,6 +130,42 @@ def test_every_workload_is_also_judged_on_fresh_inputs(defn, small, tmp_path):
     assert result.fresh_seed is not None
 
 
+
+
+class LentOutputsWriter:
+    """A stand-in for a worker in the timed path that answers every request, fills the outputs it was lent in its
+    loop and, when it is stopped after its reply, writes `late` over them (what GPU work it left running would do
+    once the clock stopped)."""
+
+    def __init__(self, late: bytes | None):
+        self.late, self.gone, self.memory = late, True, None
+
+    def request(self, header, tensors, what, max_bytes, lend=None):
+        if lend is not None:
+            self.memory = mmap.mmap(lend, header["lent_bytes"])
+        if header["op"] == "time_run":
+            self.memory[:] = b"\x55" * len(self.memory)        # the loop's outputs
+        return "ok", {"latencies_ms": [0.1], "loop_ms": [1.0, 1.0]} if header["op"] == "time_run" else {}, None
+
+    def stop(self, grace=True):
+        if self.late is not None:
+            n = len(self.memory)
+            self.memory[:] = (self.late * (n // len(self.late) + 1))[:n]
+
+
+@pytest.mark.parametrize("late", [None, b"\0", b"\1\2\3\4\5\6\7"])
+def test_outputs_written_after_the_reply_are_refused(defn, small, late):
+    axes = defn.resolve_axes(small[0].axes)
+    batched, n_prefix = runner.program_layout(defn)
+    pool = runner.Programs(defn, small[0], 5, "cpu", 64).pool
+    worker = LentOutputsWriter(late)
+    m = runner._timed_measure(defn, worker, pool, pool, axes, batched, n_prefix, 3, 1)
+    if m.outputs is not None:
+        m.outputs.close()
+    if late is None:
+        assert m.status == "ok"
+    else:
+        assert m.status == runner.RUNTIME_ERROR and "changed after its reply" in m.reply, (m.status, m.reply)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_lent_inputs_are_written_before_the_worker_reads_them(defn):

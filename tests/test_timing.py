@@ -350,6 +350,42 @@ def test_timing_attack_loses_on_gpu(defn, gpu_workloads, tmp_path, cheat, messag
         [(r.status, r.log) for r in results]
 
 
+
+# an honest loop, then GPU work left queued at the reply: a second of spinning, then every lent output zeroed
+LATE_GPU_WRITES = """
+import torch
+import harness.timing as timing
+from flush import run as flush
+_run = timing.TimedLoop.run
+
+
+def _late(self, seed):
+    out = _run(self, seed)
+    lent = self.slots[0][0]
+    whole = torch.empty(0, dtype=torch.uint8, device=lent.device).set_(lent.untyped_storage())
+    torch.cuda._sleep(2_000_000_000)
+    whole.zero_()
+    return out
+
+
+timing.TimedLoop.run = _late
+
+
+def run(*x):
+    return flush(*x)
+"""
+
+
+@gpu
+def test_gpu_work_left_running_at_the_reply_never_reaches_the_judge(defn, gpu_workloads, tmp_path):
+    """Killing the worker does not stop kernels it queued; their writes, after the clock, are refused (or never
+    land, where the driver's teardown of the worker's context cuts them)."""
+    make_solution(tmp_path, "late_gpu_writes", LATE_GPU_WRITES)
+    results = runner.evaluate(defn, load_solution("late_gpu_writes", defn, tmp_path), gpu_workloads[:1], "cuda",
+                              root=PROJECT.root)
+    assert all(r.status == runner.PASSED or "changed after its reply" in r.log for r in results), \
+        [(r.status, r.log) for r in results]
+
 def test_gpu_process_check_leaves_out_the_harness_and_its_workers():
     """NVML's list of processes on the GPU includes the harness and its workers; only others are reported."""
     import subprocess
