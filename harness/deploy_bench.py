@@ -21,7 +21,9 @@ read and write once, window reset included, at the measured copy rate. After the
 sends the state of its slots and this process judges it ("checked" and "status" in the record): the due sequences'
 checkpoints meet the operator's criterion against the reference on their inputs and their windows are reset (the
 fields of the operator's WINDOW_RESET; the others may keep their values), every other sequence's checkpoint and
-window is as refilled, and no counter changes.
+window is as refilled, and no counter changes. The times are the worker's own (its CUDA events around the replays): unlike `harness run`'s,
+they are not checked against this process's clock, and the state judged is the one the worker sends; a median below
+timing.IMPOSSIBLE_FRACTION of the floor is refused. Read them as the solution's claim, not as a ranked result.
 
 With `--device cpu` (CI: Triton through its interpreter) each case is one untimed call, judged the same way, and
 nothing is written."""
@@ -233,6 +235,10 @@ def _bench(worker: Worker, defn, op, workloads: dict, args: argparse.Namespace, 
             print(f"  {case:>12} B={b:4d}: one call, untimed: {verdict}", flush=True)
             continue
         floor = due_programs * per_program / bandwidth * 1e3 if due_programs else None
+        if floor and median_ms < timing.IMPOSSIBLE_FRACTION * floor:
+            status, log = RUNTIME_ERROR, (f"median {median_ms * 1e3:.1f} us is below {timing.IMPOSSIBLE_FRACTION}x "
+                                          f"the memory floor {floor * 1e3:.1f} us: physically impossible")
+            passed, verdict = False, f"{status}: {log}"
         row = {"case": case, "batch_size": b, "due_programs": due_programs,
                "median_us": median_ms * 1e3, "floor_us": floor * 1e3 if floor else None,
                "x_floor": median_ms / floor if floor else None, "checked": status == PASSED, "status": status,

@@ -78,13 +78,18 @@ class Worker:
     def __init__(self, sol: Solution, defn: Definition, device: str, timeout_s: float, hide: list[Path],
                  gpu: int | None = None):
         self.sol, self.defn, self.device, self.timeout_s = sol, defn, device, timeout_s
-        self.files = sol.files(defn)                        # read, and hashed, before anything of it runs
+        self.load_error: str | None = None
+        try:
+            self.files = sol.files(defn)                    # read, and hashed, before anything of it runs
+        except OSError as e:
+            self.files, self.load_error = [], _one_line(f"its files cannot be staged: {e}")
         self.sha256 = sandbox.files_sha256(self.files)
         env = {"TRITON_INTERPRET": "1"} if device == "cpu" and sol.language == "triton" else {}
         uuid = gpu_uuid(gpu) if device == "cuda" else None      # the worker sees that one GPU, as "cuda"
-        self.box = sandbox.Sandbox(sol.name.strip("<>"), self.files, self.sha256, hide, env, gpu=uuid)
+        # the harness's own solutions ("<null>") get homes that no solution's name can give ("_null")
+        home = f"_{sol.name.strip('<>')}" if sol.name.startswith("<") else sol.name
+        self.box = sandbox.Sandbox(home, self.files, self.sha256, hide, env, gpu=uuid)
         self.proc: subprocess.Popen | None = None
-        self.load_error: str | None = None
         self.fatal: str | None = None
         self.gone = True                        # whether the last stop left none of its processes behind
 
@@ -105,8 +110,15 @@ class Worker:
             child.close()
         self.output = collections.deque(maxlen=20)
         threading.Thread(target=self._drain, args=(self.proc.stdout, self.output), daemon=True).start()
-        wire.send(self.sock, {"definition": self.defn.to_json(), "solution": self.sol.worker_spec(),
-                              "solution_dir": str(self.box.solution_dir), "device": self.device})
+        try:
+            wire.send(self.sock, {"definition": self.defn.to_json(), "solution": self.sol.worker_spec(),
+                                  "solution_dir": str(self.box.solution_dir), "device": self.device})
+        except OSError as e:        # it ended before reading a byte (a sandbox that failed to start)
+            self.stop(grace=False)
+            said = " | ".join(self.output)
+            self.load_error = _one_line(f"the worker ended at its start ({type(e).__name__}"
+                                        f"{'; it said: ' + said if said else ''})")
+            return
         status, header, _ = self._receive("loading", 0)
         if status != "ok":
             self.load_error = header

@@ -24,6 +24,7 @@ import re
 import select
 import shutil
 import site
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -40,6 +41,7 @@ PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE
 HARNESS_PACKAGE = Path(__file__).resolve().parent
 TMPFS_BYTES = 4 << 30           # the worker's /tmp and /dev/shm
 HOME_BYTES = 8 << 30            # a home left larger than this (build caches are far smaller) is deleted
+SOURCE_BYTES = 64 << 20         # a solution's files together (staged in memory and hashed before it runs)
 INFO_TIMEOUT_S = 30.0           # for bwrap to report its child's PID
 GONE_TIMEOUT_S = 30.0           # for a killed sandbox's processes to be gone
 
@@ -135,14 +137,20 @@ def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path], devices: 
     return argv + ["--"]
 
 
+# where services keep their Unix sockets (docker, databases, the init system): without a network a worker can still
+# connect to a socket file it sees, read-only mount or not
+SOCKET_FOLDERS = (Path("/run"), Path("/var/run"))
+
+
 def hidden_paths(hide: list[Path]) -> list[Path]:
     """What a worker must not see: the given (project) folders and the folders that hold them (sibling checkouts),
-    the users' homes, the temporary folders and the harness's caches. The Python installation is bound back where
-    it lies inside one of them."""
+    the users' homes, the temporary folders, the harness's caches and the services' socket folders. The Python
+    installation is bound back where it lies inside one of them."""
     hide = [Path(h).resolve() for h in hide]
     parents = [h.parent for h in hide if h.parent != Path("/")]
-    return list(dict.fromkeys([*hide, *parents, Path.home(), Path("/home"), Path("/root"),
-                               Path(tempfile.gettempdir()), Path("/var/tmp"), cache_root()]))
+    paths = [*hide, *parents, Path.home(), Path("/home"), Path("/root"), Path(tempfile.gettempdir()),
+             Path("/var/tmp"), cache_root(), *SOCKET_FOLDERS]
+    return list(dict.fromkeys(p.resolve() for p in paths))     # a link (/var/run -> /run) as what it names
 
 
 def python_paths() -> list[Path]:
@@ -154,9 +162,43 @@ def python_paths() -> list[Path]:
     return [p.resolve() for p in dict.fromkeys(paths) if p.is_dir()]
 
 
+def source_problem(folder: Path, rel: str) -> str | None:
+    """Why `rel` cannot be one of the solution folder's files (None when it can): a symbolic link on its way (the
+    folder's own included: staged, it would bring whatever it points at, anywhere on the host, into the sandbox),
+    not a regular file, or larger than SOURCE_BYTES."""
+    path = folder
+    for part in ("", *Path(rel).parts):
+        path = path / part if part else path
+        if path.is_symlink():
+            return f"{rel!r}: {path} is a symbolic link"
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return f"{rel!r} does not exist in {folder}"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{rel!r} is not a regular file"
+    if info.st_size > SOURCE_BYTES:
+        return f"{rel!r} is larger than {SOURCE_BYTES >> 20} MiB"
+    return None
+
+
 def solution_files(folder: Path, sources: tuple[str, ...]) -> list[tuple[str, bytes]]:
-    """(relative path, bytes) of what a solution runs: its solution.json and every source it lists."""
-    return [(p, (folder / p).read_bytes()) for p in ("solution.json", *sorted(sources))]
+    """(relative path, bytes) of what a solution runs: its solution.json and every source it lists, each a regular
+    file in the folder (source_problem; read without following a link); OSError naming the first that is not, or
+    when they add up to more than SOURCE_BYTES."""
+    files, total = [], 0
+    for rel in ("solution.json", *sorted(sources)):
+        problem = source_problem(folder, rel)
+        if problem:
+            raise OSError(problem)
+        fd = os.open(folder / rel, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(SOURCE_BYTES + 1)
+        total += len(data)
+        if total > SOURCE_BYTES:
+            raise OSError(f"its files add up to more than {SOURCE_BYTES >> 20} MiB")
+        files.append((rel, data))
+    return files
 
 
 def files_sha256(files: list[tuple[str, bytes]]) -> str:

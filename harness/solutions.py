@@ -80,8 +80,9 @@ def parse_solution(raw, where: str, folder: Path) -> Solution:
     if record.name != folder.name:
         raise SolutionError(f"{where}: field 'name': is {record.name!r} but the folder is {folder.name!r}")
     for i, source in enumerate(record.sources):
-        if not (folder / source.path).is_file():
-            raise SolutionError(f"{where}: field 'sources[{i}].path': {source.path!r} does not exist in {folder}")
+        problem = sandbox.source_problem(folder, source.path)
+        if problem:
+            raise SolutionError(f"{where}: field 'sources[{i}].path': {problem}")
     entry_file, entry_function = ENTRY_POINT.fullmatch(record.spec.entry_point).groups()
     spec = record.spec
     return Solution(record.name, record.definition, record.author, spec.language, entry_file, entry_function,
@@ -101,6 +102,9 @@ def load_solution(name: str, defn: Definition, root: str | Path) -> Solution:
     if not path.is_file():
         known = sorted(p.parent.name for p in Path(root).glob("*/solution.json"))
         raise SolutionError(f"{path}: no such solution (known: {', '.join([REFERENCE] + known)})")
+    problem = sandbox.source_problem(folder, "solution.json")
+    if problem:
+        raise SolutionError(f"solution {name}: {problem}")
     sol = parse_solution(read_json(path, SolutionError), str(path), folder)
     if sol.definition != defn.name:
         raise SolutionError(f"{path}: field 'definition': is {sol.definition!r}, expected {defn.name!r}")

@@ -176,3 +176,16 @@ def test_gpu_benchmark_writes_its_record(name, tmp_path, defn, capsys):
                                                    "none due, per call in a graph of 8"]
     assert all(r["checked"] and r["status"] == runner.PASSED for r in record["rows"])
     assert all(r["median_us"] > 0 for r in record["rows"][:4]) and record["empty_graph_us"] > 0
+
+
+@gpu
+def test_a_time_below_the_floor_is_refused(tmp_project, capsys):
+    """The deployment form's times are its worker's own: one that claims less than 0.9x the memory floor is refused
+    in the record and the exit code."""
+    plant(tmp_project.solutions, "forger", {})
+    with open(tmp_project.solutions / "forger" / "pool.py", "a") as f:
+        f.write("\n\nimport harness.deploy as _deploy\n_run_case = _deploy.run_case\n"
+                "_deploy.run_case = lambda *a: (1e-6,) + _run_case(*a)[1:]\n")
+    code = deploy_bench.main(["--solution", "forger", "--batch-sizes", "16", "--project", str(tmp_project.root)])
+    out = capsys.readouterr().out
+    assert code == 1 and "physically impossible" in out, out

@@ -57,6 +57,18 @@ def small(defn):
     return select(load_workloads(defn, PROJECT.workload_file(defn)), [1], ["random"])
 
 
+
+def test_a_worker_that_ends_at_its_start_is_a_compile_error(defn, small, tmp_path):
+    sol = load_solution("torch_v1", defn, PROJECT.solutions)
+    worker = runner.Worker(sol, defn, "cpu", 30, [PROJECT.root])
+    worker.box._prefix = [*worker.box._prefix[:1], "--die-with-parent", "--", "/bin/sh", "-c", "echo gone; exit 3",
+                          "--"] if worker.box.sandboxed else ["/bin/sh", "-c", "echo gone; exit 3", "--"]
+    try:
+        status, log, _ = worker.request({"op": "stop"}, None, "nothing", 0)
+    finally:
+        worker.close()
+    assert status == runner.COMPILE_ERROR and "\n" not in log, log
+
 @pytest.mark.parametrize("case", BAD)
 def test_bad_solution_gets_its_status(defn, small, tmp_path, case):
     code, status, log = BAD[case]

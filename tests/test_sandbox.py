@@ -13,6 +13,7 @@ import marshal
 import os
 import re
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -258,6 +259,43 @@ def test_the_repository_its_neighbours_and_the_home_are_hidden_from_a_solution(r
                           env={**os.environ, "HOME": str(home.parent)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
+
+
+SOCKET_DIALER = """
+import socket
+
+from flush import run as flush
+
+
+def run(*x):
+    dialer = socket.socket(socket.AF_UNIX)
+    try:
+        dialer.connect({path!r})
+    except OSError:
+        return flush(*x)
+    raise RuntimeError("connected to a service of the host")
+"""
+
+
+@needs_sandbox
+def test_the_hosts_service_sockets_are_out_of_reach(defn, one, tmp_path):
+    """No network still lets a process connect to a Unix socket file it can see (docker's, a database's): the
+    folders services keep them in are hidden."""
+    folder = Path("/run") / f"harness-test-{uuid.uuid4().hex}"
+    try:
+        folder.mkdir()
+    except OSError:
+        pytest.skip("/run is not writable here")
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(str(folder / "service.sock"))
+        listener.listen()
+        sol = plant(defn, tmp_path / "planted", "dialer", SOCKET_DIALER.format(path=str(folder / "service.sock")))
+        [result] = judge(defn, sol, one)
+    finally:
+        listener.close()
+        shutil.rmtree(folder)
+    assert result.status == runner.PASSED, result.log
 
 # 3. A detached process that outlives the worker -----------------------------------------------------------------
 

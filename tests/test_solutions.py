@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import PROJECT, make_solution
+from harness import sandbox
 from harness.ops import leapquant_kda_flush as op
 from harness.solutions import REFERENCE, SolutionError, discover, load_entry, load_solution, source_sha256
 
@@ -86,3 +87,43 @@ def test_source_hash_covers_solution_json(defn, tmp_path):
     raw["spec"]["destination_passing_style"] = True
     (folder / "solution.json").write_text(json.dumps(raw))
     assert source_sha256(load_solution("h", defn, tmp_path), defn) != before
+
+
+@pytest.mark.parametrize("link", ["source", "folder of a source", "solution.json", "solution folder"])
+def test_a_symbolic_link_in_a_solution_is_refused(defn, tmp_path, link):
+    """Staged, a link would bring whatever it points at (any file of the host, /proc/self/environ) into the
+    sandbox: every path of a solution is a regular file in its folder."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET")
+    folder = make_solution(tmp_path / "solutions", "linked", "def run(*x):\n    pass\n")
+    raw = json.loads((folder / "solution.json").read_text())
+    if link == "source":
+        (folder / "notes.py").symlink_to(secret)
+        raw["sources"].append({"path": "notes.py"})
+    elif link == "folder of a source":
+        (folder / "data").symlink_to(tmp_path, target_is_directory=True)
+        raw["sources"].append({"path": "data/secret.txt"})
+    (folder / "solution.json").write_text(json.dumps(raw))
+    root = tmp_path / "solutions"
+    if link == "solution.json":
+        (tmp_path / "real.json").write_text(json.dumps(raw))
+        (folder / "solution.json").unlink()
+        (folder / "solution.json").symlink_to(tmp_path / "real.json")
+    elif link == "solution folder":
+        root = tmp_path / "elsewhere"
+        root.mkdir()
+        (root / "linked").symlink_to(folder, target_is_directory=True)
+    with pytest.raises(SolutionError, match="symbolic link") as e:
+        load_solution("linked", defn, root)
+    assert "\n" not in str(e.value) and "TOP-SECRET" not in str(e.value)
+
+
+def test_a_source_larger_than_the_limit_is_refused(defn, tmp_path):
+    folder = make_solution(tmp_path, "large", "def run(*x):\n    pass\n")
+    with open(folder / "table.bin", "wb") as f:
+        f.truncate(sandbox.SOURCE_BYTES + 1)
+    raw = json.loads((folder / "solution.json").read_text())
+    raw["sources"].append({"path": "table.bin"})
+    (folder / "solution.json").write_text(json.dumps(raw))
+    with pytest.raises(SolutionError, match="larger than 64 MiB"):
+        load_solution("large", defn, tmp_path)

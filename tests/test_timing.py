@@ -283,6 +283,16 @@ def test_timing_attack_loses_on_cpu(defn, tmp_path, cpu_timing, cheat, status, m
     assert r.status == status and any(m in r.log for m in messages), (r.status, r.log)
 
 
+
+def test_a_solution_named_null_is_timed_like_any_other(defn, tmp_path, cpu_timing, monkeypatch):
+    """The harness's null worker keeps a home that no solution's name can give: a solution called `null` once
+    deleted it as a stale home of its own, and the next null worker's sandbox did not start."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    [first] = _timed_on_cpu(defn, tmp_path / "a", "honest", HONEST, cpu_timing)
+    [named] = _timed_on_cpu(defn, tmp_path / "b", "null", HONEST, cpu_timing)
+    [again] = _timed_on_cpu(defn, tmp_path / "c", "honest", HONEST, cpu_timing)
+    assert [r.status for r in (first, named, again)] == [runner.PASSED] * 3, [first.log, named.log, again.log]
+
 # destination-passing: writes its outputs while the harness judges it and warms the loop up, then leaves them as
 # they are (the timed loop fills no outputs inside the call: its preparation poisons them beforehand)
 LAZY_DPS = """

@@ -40,7 +40,9 @@ WORDING = Wording(
                      "deploy`); x floor counts every byte of the flushed programs once, window reset included; "
                      "checked: after the last call the due checkpoints pass the criterion against the reference, "
                      "their windows are reset and every other program is unchanged; empty kernel: one graph of an "
-                     "empty kernel timed the same way, what this timer reads for no work.",
+                     "empty kernel timed the same way, what this timer reads for no work. These times are the "
+                     "solution's worker's own (its CUDA events), not checked against the harness's clock as the "
+                     "ranked ones are: a time below 0.9x the floor is refused, any other is taken as reported.",
 )
 
 __all__ = ["CALL_GRAMMAR", "CHECKPOINT", "CHECKPOINT_BYTES", "DRIFT_LIMIT", "DTYPES", "DUE_EVERY", "EDGE_KINDS",
