@@ -38,9 +38,11 @@ class Selection(Strict):
 class Ranking(Selection):
     """How the leaderboard ranks solutions on each hardware: by `score` over the selected workloads, only those
     that pass every gate. workloads: every selected workload PASSED on the solution's current sources (its committed
-    and fresh inputs, and on a GPU every timed call); stress: a clean `harness.stress --record` on them."""
+    and fresh inputs, and on a GPU every timed call); stress: a clean `harness.stress --record` on them, on a GPU,
+    of at least `stress_examples` examples."""
     score: Literal["geomean_speedup"] = "geomean_speedup"
     gates: list[Literal[GATES]] = list(GATES)
+    stress_examples: Annotated[int, Field(gt=0, strict=True)] = 300
 
 
 class Competition(Strict):

@@ -235,8 +235,10 @@ def ranking_section(traces: list[Trace], ranking: Ranking, ranked: dict, stress:
              f"From `competition.yaml`: score {ranking.score} over the workloads of batch sizes "
              f"{', '.join(map(str, ranking.batch_sizes)) if ranking.batch_sizes else 'all'} and families "
              f"{', '.join(ranking.families) if ranking.families else 'all'}; gates: {', '.join(ranking.gates)}.", ""]
+    # a search anyone can make vacuous (one example, on a CPU) does not count
     clean = {(r.definition, r.solution) for r in stress
-             if not r.failures and sources_state([r], current.get((r.definition, r.solution))) == "current"}
+             if not r.failures and sources_state([r], current.get((r.definition, r.solution))) == "current"
+             and r.examples >= ranking.stress_examples and not r.environment.hardware.startswith("CPU")}
     tables = 0
     for definition, chosen in sorted(ranked.items()):
         mine = [t for t in traces if t.definition == definition and t.workload.uuid in chosen]
@@ -256,7 +258,8 @@ def ranking_section(traces: list[Trace], ranking: Ranking, ranked: dict, stress:
                            f"sources {state}" if state != "current" else
                            "a workload without a speedup" if not all(speedups) else None)
                 if why is None and "stress" in ranking.gates and (definition, sol) not in clean:
-                    why = "no clean stress record of its current sources"
+                    why = (f"no clean stress record of its current sources (on a GPU, "
+                           f">= {ranking.stress_examples} examples)")
                 score = _geomean([sp for sp in speedups if sp])
                 rows.append([sol, f"{score:.2f}" if score and why is None else "-", f"{len(passed)}/{len(chosen)}",
                              why or "ranked"])

@@ -64,10 +64,11 @@ def _trace(solution, uuid, status="PASSED", speedup=4.0, sha="abc"):
                                  "workload": {"uuid": uuid, "axes": {"batch_size": 64}, "inputs": {}}})
 
 
-def _stress(solution, failures=()):
+def _stress(solution, failures=(), examples=300, hardware="GPU"):
     return StressRecord.model_validate({
         "definition": "d", "solution": solution, "solution_sha256": "abc", "sandbox": "bwrap",
-        "environment": {"hardware": "GPU", "libs": {}}, "examples": 300, "calls": 300, "batch_size": 1, "seed": None,
+        "environment": {"hardware": hardware, "libs": {}}, "examples": examples, "calls": 300, "batch_size": 1,
+        "seed": None,
         "hypothesis": "6", "seconds": 1.0, "timestamp": "2026-12-06T00:00:00+00:00", "failures": list(failures)})
 
 
@@ -75,11 +76,14 @@ def test_the_ranking_ranks_only_solutions_through_every_gate():
     ranking = Competition().ranking
     chosen = {"d": {"w1": None, "w2": None}}
     traces = [_trace(s, w, speedup=sp) for s, sp in (("fast", 9.0), ("slow", 4.0), ("broken", 20.0),
-                                                       ("unsearched", 30.0), ("stale", 40.0)) for w in ("w1", "w2")]
+                                                       ("unsearched", 30.0), ("stale", 40.0), ("few", 50.0),
+                                                       ("on_cpu", 60.0)) for w in ("w1", "w2")]
     traces = [t for t in traces if not (t.solution == "broken" and t.workload.uuid == "w2")]
     traces += [_trace("broken", "w2", status="INCORRECT_NUMERICAL")]
-    current = {("d", s): "abc" for s in ("fast", "slow", "broken", "unsearched")} | {("d", "stale"): "new"}
+    current = {("d", s): "abc" for s in ("fast", "slow", "broken", "unsearched", "few", "on_cpu")} \
+        | {("d", "stale"): "new"}
     stress = [_stress(s) for s in ("fast", "slow", "broken", "stale")]
+    stress += [_stress("few", examples=ranking.stress_examples - 1), _stress("on_cpu", hardware="CPU")]
     text, _ = report.build(traces, op, current, stress=stress, ranking=ranking, ranked=chosen)
     section = text.split("## Ranking")[1].split("\n## ")[0]
     rows = {cells[1]: cells for cells in ([c.strip() for c in r.strip("|").split("|")]
@@ -87,5 +91,6 @@ def test_the_ranking_ranks_only_solutions_through_every_gate():
             if cells[0] != "rank"}
     assert rows["fast"][:3] == ["1", "fast", "9.00"] and rows["slow"][:3] == ["2", "slow", "4.00"]
     assert rows["broken"][4] == "1 workload(s) not PASSED" and rows["stale"][4] == "sources older: re-run"
-    assert rows["unsearched"][4] == "no clean stress record of its current sources"
-    assert all(rows[s][0] == "-" for s in ("broken", "stale", "unsearched"))
+    for vacuous in ("unsearched", "few", "on_cpu"):      # none, too short a search, or one anyone can make on a CPU
+        assert rows[vacuous][4] == "no clean stress record of its current sources (on a GPU, >= 300 examples)"
+    assert all(rows[s][0] == "-" for s in ("broken", "stale", "unsearched", "few", "on_cpu"))
