@@ -92,6 +92,7 @@ class Worker:
         self.proc: subprocess.Popen | None = None
         self.fatal: str | None = None
         self.gone = True                        # whether the last stop left none of its processes behind
+        self.home_overflow: str | None = None   # why the home watch ended it
 
     @property
     def isolation(self) -> str:
@@ -110,6 +111,7 @@ class Worker:
             child.close()
         self.output = collections.deque(maxlen=20)
         threading.Thread(target=self._drain, args=(self.proc.stdout, self.output), daemon=True).start()
+        threading.Thread(target=self._watch_home, args=(self.proc,), daemon=True).start()
         try:
             wire.send(self.sock, {"definition": self.defn.to_json(), "solution": self.sol.worker_spec(),
                                   "solution_dir": str(self.box.solution_dir), "device": self.device})
@@ -125,6 +127,19 @@ class Worker:
         elif header.get("status") != "ready":
             self.load_error = _one_line(header.get("message", "the worker did not load the solution"))
             self.stop()
+
+    def _watch_home(self, proc: subprocess.Popen) -> None:
+        """While the worker runs, measure its home every HOME_CHECK_S: one larger than HOME_BYTES (its one
+        persistent, writable place, on the host's disk) ends it at once, not when it is done."""
+        while proc.poll() is None:
+            time.sleep(sandbox.HOME_CHECK_S)
+            if proc.poll() is None and self.box.home_too_large():
+                self.home_overflow = f"its home grew past {sandbox.HOME_BYTES >> 20} MiB; worker killed"
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                return
 
     @staticmethod
     def _drain(stream, last) -> None:
@@ -142,6 +157,8 @@ class Worker:
         except TimeoutError:
             return self._fail(TIMEOUT, f"no answer within {self.timeout_s:g} s while {what}; worker killed")
         except (EOFError, ConnectionError, OSError):
+            if self.home_overflow:
+                return self._fail(RUNTIME_ERROR, self.home_overflow)
             try:
                 code = self.proc.wait(5) if self.proc else None
             except subprocess.TimeoutExpired:

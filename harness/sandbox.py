@@ -40,7 +40,8 @@ PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE
               "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 HARNESS_PACKAGE = Path(__file__).resolve().parent
 TMPFS_BYTES = 4 << 30           # the worker's /tmp and /dev/shm
-HOME_BYTES = 8 << 30            # a home left larger than this (build caches are far smaller) is deleted
+HOME_BYTES = 8 << 30            # a home larger than this (build caches are far smaller) ends its worker and is deleted
+HOME_CHECK_S = 2.0              # how often a running worker's home is measured
 SOURCE_BYTES = 64 << 20         # a solution's files together (staged in memory and hashed before it runs)
 INFO_TIMEOUT_S = 30.0           # for bwrap to report its child's PID
 GONE_TIMEOUT_S = 30.0           # for a killed sandbox's processes to be gone
@@ -298,6 +299,9 @@ class Sandbox:
             self._init_fd = None
         return bool(readable)
 
+    def home_too_large(self) -> bool:
+        return _size(self.home) > HOME_BYTES
+
     def close(self) -> None:
         """Remove the staged sources; delete the home if the solution left it larger than HOME_BYTES (it is the one
         place it can write that outlives it: it must not fill the disk for every later run)."""
@@ -305,7 +309,7 @@ class Sandbox:
             os.close(self._init_fd)
             self._init_fd = None
         self.tmp.cleanup()
-        if _size(self.home) > HOME_BYTES:
+        if self.home_too_large():
             _remove(self.home)
 
 

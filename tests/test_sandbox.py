@@ -879,6 +879,21 @@ def test_a_home_left_too_large_is_deleted_and_older_homes_are_pruned(defn, one, 
     assert list((sandbox.cache_root() / "home").glob("flooder-*")) == []
 
 
+
+@needs_sandbox
+def test_a_home_that_grows_too_large_ends_the_worker_at_once(defn, one, tmp_path, monkeypatch):
+    """The home lies on the host's disk: one that grows past the limit while the worker runs (here it goes on
+    writing) ends it then, not when it is done, and is deleted."""
+    monkeypatch.setattr(sandbox, "HOME_BYTES", 50 << 20)
+    monkeypatch.setattr(sandbox, "HOME_CHECK_S", 0.2)
+    filler = FLOODER.replace("range(200)", "range(1000)").replace("range(20_000)", "range(0)")
+    sol = plant(defn, tmp_path / "planted", "filler", filler)
+    start = time.monotonic()
+    [result] = judge(defn, sol, one)
+    assert result.status == runner.RUNTIME_ERROR and "its home grew past 50 MiB" in result.log, result.log
+    assert time.monotonic() - start < 60
+    assert list((sandbox.cache_root() / "home").glob("filler-*")) == []
+
 DEEP_HOME = '''
 import os
 from flush import run as flush
