@@ -15,6 +15,7 @@ prints and every trace records, so that the leaderboard can show it.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import glob
 import hashlib
@@ -226,9 +227,13 @@ class Sandbox:
             target.chmod(0o444)
         homes = cache_root() / "home"
         self.home = homes / f"{name}-{sha256[:16]}"
+        homes.mkdir(parents=True, exist_ok=True)
+        # held, shared, while this sandbox exists: another run on this machine prunes or deletes only unused homes
+        self._lock = open(f"{self.home}.lock", "a")
+        fcntl.flock(self._lock, fcntl.LOCK_SH)
         for stale in homes.glob(f"{glob.escape(name)}-*"):     # the caches of this solution's earlier sources
             if stale != self.home and len(stale.name) == len(self.home.name):
-                _remove(stale)
+                _remove_unused(stale)
         self.home.mkdir(parents=True, exist_ok=True)
         self.downgrade = unavailable()
         self.sandboxed = self.downgrade is None
@@ -309,8 +314,10 @@ class Sandbox:
             os.close(self._init_fd)
             self._init_fd = None
         self.tmp.cleanup()
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._lock.close()
         if self.home_too_large():
-            _remove(self.home)
+            _remove_unused(self.home)
 
 
 def _within(path: Path, roots: list[Path]) -> bool:
@@ -353,6 +360,17 @@ def _size(folder: Path) -> int:
             except OSError:
                 pass
     return total
+
+
+def _remove_unused(home: Path) -> None:
+    """Remove a home and its lock file unless a sandbox (of this run or another on this machine) holds it."""
+    with open(f"{home}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        _remove(home)
+        os.unlink(lock.name)
 
 
 def _remove(folder: Path) -> None:

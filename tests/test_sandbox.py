@@ -119,7 +119,7 @@ def one_line(log: str) -> bool:
 
 
 def home_of(name: str) -> Path:
-    [home] = (sandbox.cache_root() / "home").glob(f"{name}-*")
+    [home] = [p for p in (sandbox.cache_root() / "home").glob(f"{name}-*") if p.is_dir()]
     return home
 
 
@@ -871,6 +871,7 @@ def test_a_home_left_too_large_is_deleted_and_older_homes_are_pruned(defn, one, 
     """The home is the one place a solution writes that outlives its worker: ballast left there must not fill the
     disk for every later run, and the homes of a solution's earlier sources are removed when it runs again."""
     monkeypatch.setattr(sandbox, "HOME_BYTES", 100 << 20)
+    monkeypatch.setattr(sandbox, "HOME_CHECK_S", 1e6)         # not measured while it runs: left behind
     sol = plant(defn, tmp_path / "planted", "flooder", FLOODER)
     stale = sandbox.cache_root() / "home" / "flooder-0123456789abcdef"
     stale.mkdir(parents=True)
@@ -893,6 +894,22 @@ def test_a_home_that_grows_too_large_ends_the_worker_at_once(defn, one, tmp_path
     assert result.status == runner.RUNTIME_ERROR and "its home grew past 50 MiB" in result.log, result.log
     assert time.monotonic() - start < 60
     assert list((sandbox.cache_root() / "home").glob("filler-*")) == []
+
+
+def test_a_home_in_use_is_not_pruned_by_another_run():
+    """Two runs on one machine with different sources of one solution (two branches in CI): each keeps its home
+    while its sandbox exists; the later prunes the earlier's only once it is unused."""
+    def box(source: bytes) -> sandbox.Sandbox:
+        files = [("solution.json", source)]
+        return sandbox.Sandbox("shared", files, sandbox.files_sha256(files), [ROOT], {})
+    first = box(b"{}")
+    second = box(b"{ }")
+    assert first.home.is_dir() and second.home.is_dir()
+    first.close()
+    third = box(b"{  }")
+    assert not first.home.exists() and second.home.is_dir() and third.home.is_dir()
+    second.close()
+    third.close()
 
 DEEP_HOME = '''
 import os
