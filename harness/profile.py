@@ -2,7 +2,8 @@
 or `python -m harness.profile`).
 
   python -m harness profile run --solution NAME [--batch-size 64] [--family random] [--calls 3]
-      calls the solution's entry point on one workload's inputs a few times, for ncu to capture, e.g.
+      calls the solution's entry point on one workload's inputs a few times, for ncu to capture (in this process,
+      not sandboxed: for one's own solution, never for code one does not trust), e.g.
       ncu --clock-control none -k regex:KERNEL -s 1 -c 1 --set full --import-source yes -o prof \\
           python -m harness profile run --solution triton_v1
       (--clock-control none: the card's clocks stay as they are)
