@@ -41,8 +41,10 @@ INPUT_SETS = 4
 # every committed trace's honest loop clears these by 9 us a call or more (tests/test_timing.py checks them all)
 CLOCK_TOLERANCE = 0.05          # the median may fall this far below the mean the harness's clock allows ...
 CLOCK_SLACK_MS = 0.5            # ... after this much of the loop's wall time is set aside as noise
-# ... and this much a call: the loop's preparation of the next call ran 5-17 us slower (H200, any batch size) after
-# an honest kernel than after the null call, which writes the same outputs; the cause was not isolated
+# ... and this much a call: honest loops run 13-19 us a call longer than the null worker's loop plus the difference of
+# the calls (H100, H200, any batch size). Timed in one process with events around each step, a loop is preparation +
+# call for the null and for kernels alike; it is the null worker's own loop that runs ~21 us a call short of that
+# (H100), cause not yet isolated
 CLOCK_SLACK_PER_CALL_MS = 0.030
 IMPOSSIBLE_FRACTION = 0.9       # a median below this fraction of the memory floor cannot be real
 
