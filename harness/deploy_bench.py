@@ -21,9 +21,10 @@ read and write once, window reset included, at the measured copy rate. After the
 sends the state of its slots and this process judges it ("checked" and "status" in the record): the due sequences'
 checkpoints meet the operator's criterion against the reference on their inputs and their windows are reset (the
 fields of the operator's WINDOW_RESET; the others may keep their values), every other sequence's checkpoint and
-window is as refilled, and no counter changes. The times are the worker's own (its CUDA events around the replays): unlike `harness run`'s,
-they are not checked against this process's clock, and the state judged is the one the worker sends; a median below
-timing.IMPOSSIBLE_FRACTION of the floor is refused. Read them as the solution's claim, not as a ranked result.
+window is as refilled, and no counter changes. The times are the worker's own (its CUDA events around the
+replays): unlike `harness run`'s, they are not checked against this process's clock, and the state judged is the one
+the worker sends; a median below timing.IMPOSSIBLE_FRACTION of the floor is refused. Read them as the solution's
+claim, not as a ranked result.
 
 With `--device cpu` (CI: Triton through its interpreter) each case is one untimed call, judged the same way, and
 nothing is written."""

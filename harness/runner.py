@@ -60,10 +60,10 @@ class Result:
 
 
 def gpu_uuid(index: int | None) -> str:
-    """The UUID of this process's CUDA device `index` (None: the current one), which names that GPU to a worker
-    whatever its own device numbering."""
+    """The UUID ("GPU-...", as CUDA_VISIBLE_DEVICES and the driver write it) of this process's CUDA device `index`
+    (None: the current one), which names that GPU to a worker whatever its own device numbering."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
-    return str(props.uuid)
+    return f"GPU-{props.uuid}"
 
 
 def _one_line(text, limit: int = 500) -> str:

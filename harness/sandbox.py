@@ -81,13 +81,12 @@ def unavailable() -> str | None:
 
 
 def gpu_minor(uuid: str, proc: Path = Path("/proc/driver/nvidia/gpus")) -> int | None:
-    """The minor number of the GPU with this UUID (its device node is /dev/nvidia<minor>), as the driver lists it in
-    /proc/driver/nvidia/gpus/<PCI address>/information; None where the driver lists no such GPU."""
-    want = uuid.lower().removeprefix("gpu-")
+    """The minor number of the GPU with this UUID ("GPU-..."; its device node is /dev/nvidia<minor>), as the driver
+    lists it in /proc/driver/nvidia/gpus/<PCI address>/information; None where the driver lists no such GPU."""
     for info in sorted(proc.glob("*/information")):
         try:
             fields = dict(line.split(":", 1) for line in info.read_text().splitlines() if ":" in line)
-            if fields.get("GPU UUID", "").strip().lower().removeprefix("gpu-") == want:
+            if fields.get("GPU UUID", "").strip().lower() == uuid.lower():
                 return int(fields["Device Minor"])
         except (OSError, KeyError, ValueError):
             continue
@@ -102,10 +101,10 @@ def gpu_nodes(uuid: str | None, dev: Path = Path("/dev"), proc: Path = Path("/pr
         return [], ""
     nodes = sorted(str(p) for p in dev.glob("nvidia*"))
     per_gpu = [n for n in nodes if re.fullmatch(r"nvidia\d+", Path(n).name)]
-    minor = gpu_minor(uuid, proc)
-    if minor is None or str(dev / f"nvidia{minor}") not in per_gpu:
-        return nodes, f"every GPU visible: the driver lists no device node for GPU {uuid}"
-    return [n for n in nodes if n not in per_gpu or n == str(dev / f"nvidia{minor}")], ""
+    own = str(dev / f"nvidia{gpu_minor(uuid, proc)}")
+    if own not in per_gpu:
+        return nodes, f"every GPU visible: the driver lists no device node for {uuid}"
+    return [n for n in nodes if n not in per_gpu or n == own], ""
 
 
 def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path], devices: list[str]) -> list[str]:
@@ -168,11 +167,11 @@ def source_problem(folder: Path, rel: str) -> str | None:
     """Why `rel` cannot be one of the solution folder's files (None when it can): a symbolic link on its way (the
     folder's own included: staged, it would bring whatever it points at, anywhere on the host, into the sandbox),
     not a regular file, or larger than SOURCE_BYTES."""
-    path = folder
-    for part in ("", *Path(rel).parts):
-        path = path / part if part else path
+    parts = Path(rel).parts
+    for path in (folder, *(folder.joinpath(*parts[:i + 1]) for i in range(len(parts)))):
         if path.is_symlink():
             return f"{rel!r}: {path} is a symbolic link"
+    path = folder / rel
     try:
         info = os.lstat(path)
     except OSError:
@@ -213,7 +212,7 @@ def files_sha256(files: list[tuple[str, bytes]]) -> str:
 class Sandbox:
     """The staged sources and the command line of one worker. `argv(python_args)` is what to run; `env` its
     environment; `sandboxed` False (with `downgrade` saying why) when it runs as a plain process group; `gpu` the
-    UUID of the one GPU it may use (None: none), `gpu_note` "" or why it sees every GPU."""
+    UUID ("GPU-...") of the one GPU it may use (None: none), `gpu_note` "" or why it sees every GPU."""
 
     def __init__(self, name: str, files: list[tuple[str, bytes]], sha256: str, hide: list[Path],
                  extra_env: dict[str, str], gpu: str | None = None):
@@ -240,7 +239,7 @@ class Sandbox:
         self.gpu_note = ""
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
         if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = f"GPU-{gpu.lower().removeprefix('gpu-')}"
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         env.update({"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
                     **extra_env})
         user_site = Path(site.getusersitepackages())
@@ -314,8 +313,7 @@ class Sandbox:
             os.close(self._init_fd)
             self._init_fd = None
         self.tmp.cleanup()
-        fcntl.flock(self._lock, fcntl.LOCK_UN)
-        self._lock.close()
+        self._lock.close()                  # and with it the lock
         if self.home_too_large():
             _remove_unused(self.home)
 

@@ -417,10 +417,10 @@ def test_a_worker_is_given_its_own_gpu_node_and_no_other(tmp_path):
     control = [str(dev / n) for n in ("nvidia-caps", "nvidia-uvm", "nvidia-uvm-tools", "nvidiactl")]
     for uuid, minor in uuids.items():
         assert sandbox.gpu_minor(f"GPU-{uuid.upper()}", proc) == minor
-        nodes, note = sandbox.gpu_nodes(uuid, dev, proc)
+        nodes, note = sandbox.gpu_nodes(f"GPU-{uuid}", dev, proc)
         assert (sorted(nodes), note) == (sorted([*control, str(dev / f"nvidia{minor}")]), "")
     assert sandbox.gpu_nodes(None, dev, proc) == ([], "")           # a CPU run: no GPU at all
-    nodes, note = sandbox.gpu_nodes("0d-44", dev, proc)              # unknown to the driver: said, not hidden
+    nodes, note = sandbox.gpu_nodes("GPU-0d-44", dev, proc)          # unknown to the driver: said, not hidden
     assert len(nodes) == len(control) + 3 and "every GPU visible" in note
 
 
@@ -430,8 +430,8 @@ def test_the_sandboxed_worker_sees_exactly_its_gpu(tmp_path):
     files = [("solution.json", b"{}")]
     uuid = runner.gpu_uuid(None)
     box = sandbox.Sandbox("one-gpu", files, sandbox.files_sha256(files), [ROOT], {}, gpu=uuid)
-    code = ("import glob, torch; print(torch.cuda.device_count(), str(torch.cuda.get_device_properties(0).uuid),"
-            " sorted(glob.glob('/dev/nvidia[0-9]*')))")
+    code = ("import glob, torch; print(torch.cuda.device_count(), 'GPU-' + str(torch.cuda.get_device_properties(0)"
+            ".uuid), sorted(glob.glob('/dev/nvidia[0-9]*')))")
     proc = box.popen(["-c", code], pass_fds=())
     try:
         out = proc.communicate(timeout=120)[0].decode()
