@@ -107,35 +107,86 @@ def gpu_nodes(uuid: str | None, dev: Path = Path("/dev"), proc: Path = Path("/pr
     return [n for n in nodes if n not in per_gpu or n == own], ""
 
 
+# the host's top-level folders a worker sees, read-only: programs, libraries, their configuration and the kernel's
+# device tree; any other (/opt, /var, /srv, /mnt, a second root) only where it holds a folder the worker needs
+# (named_folders)
+SYSTEM_FOLDERS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "sys")
+
+
 def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path], devices: list[str]) -> list[str]:
-    """The new root is bwrap's own tmpfs holding read-only binds of the host's top-level folders (links as links),
-    fresh /dev (with the given device nodes), /proc and /tmp, the hidden paths as empty tmpfs and the /sandbox
-    mounts."""
+    """The new root is bwrap's own tmpfs holding read-only binds of the host's system folders (links as links) with
+    /etc's private files masked, the other folders the worker needs, fresh /dev (with the given device nodes), /proc
+    and /tmp, the hidden paths as empty tmpfs and the /sandbox mounts."""
     argv = [bwrap]
-    for entry in sorted(os.listdir("/")):
+    system = []
+    for entry in SYSTEM_FOLDERS:
         path = Path("/") / entry
-        if entry in ("dev", "proc", "tmp", "sandbox") or entry.startswith("."):
-            continue
         if path.is_symlink():
             argv += ["--symlink", os.readlink(path), str(path)]
         elif path.is_dir():
+            argv += ["--ro-bind", str(path), str(path)]
+            system.append(path.resolve())
+    argv += _private_masks(Path("/etc"))
+    hidden = [p for p in hide if p.is_dir() and p != Path("/")]
+    for path in named_folders():
+        if not _within(path, system) and not _within(path, hidden):
             argv += ["--ro-bind", str(path), str(path)]
     # memory-backed: sized, so that filling them cannot take the machine's memory
     argv += ["--dev", "/dev", "--proc", "/proc", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp",
              "--size", str(TMPFS_BYTES), "--tmpfs", "/dev/shm"]
     for dev in devices:
         argv += ["--dev-bind", dev, dev]
-    hidden = [p for p in hide if p.is_dir() and p != Path("/")]
     for path in hidden:
         if path not in (Path("/tmp"), Path("/dev/shm")):       # fresh above; the rest hide, nobody writes there
             argv += ["--size", str(1 << 20), "--tmpfs", str(path)]
-    for path in python_paths():      # a virtual environment inside a hidden folder (the repository's .venv) stays
+    for path in python_paths():      # a Python installation inside a hidden folder (pyenv's, a repository's .venv)
         if _within(path, hidden) and path not in [h.resolve() for h in hidden]:
             argv += ["--ro-bind", str(path), str(path)]
     argv += ["--ro-bind", str(stage), str(SOLUTION_DIR), "--ro-bind", str(HARNESS_PACKAGE), str(LIB_DIR / "harness"),
              "--bind", str(home), str(HOME_DIR),
              "--unshare-all", "--die-with-parent", "--new-session", "--chdir", str(HOME_DIR)]
     return argv + ["--"]
+
+
+@functools.lru_cache(maxsize=4)
+def _private_masks(folder: Path) -> tuple[str, ...]:
+    """bwrap arguments that hide what `folder` keeps from other users (the password hashes, private keys): a file
+    without read permission for others is bound over by /dev/null, a folder others cannot list or enter by an empty
+    tmpfs. The harness often runs as root, and inside its user namespace the worker is that user: these files would
+    be readable, and one message carries them into the run's table and the traces."""
+    masks: list[str] = []
+    for top, dirs, files in os.walk(folder):
+        for name in list(dirs):
+            path = os.path.join(top, name)
+            info = os.lstat(path)
+            if stat.S_ISDIR(info.st_mode) and (info.st_mode & 0o005) != 0o005:
+                masks += ["--size", str(1 << 20), "--tmpfs", path]
+                dirs.remove(name)
+        for name in files:
+            path = os.path.join(top, name)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) and not info.st_mode & 0o004:
+                masks += ["--ro-bind", os.devnull, path]
+    return tuple(masks)
+
+
+def named_folders() -> list[Path]:
+    """The folders outside the system ones that the worker's programs are pointed at: the Python installation's,
+    those named by PATH, LD_LIBRARY_PATH, CUDA_HOME and CUDA_PATH, and the dynamic loader's library folders
+    (/etc/ld.so.conf.d), where they exist."""
+    names = [p for var in ("PATH", "LD_LIBRARY_PATH") for p in os.environ.get(var, "").split(os.pathsep)]
+    names += [os.environ.get(var, "") for var in ("CUDA_HOME", "CUDA_PATH")]
+    for conf in sorted(Path("/etc/ld.so.conf.d").glob("*.conf")):
+        try:
+            names += [line.strip() for line in conf.read_text().splitlines() if line.strip().startswith("/")]
+        except OSError:
+            continue
+    paths = list(dict.fromkeys([*python_paths(), *(Path(n).resolve() for n in names
+                                                    if n.startswith("/") and Path(n).is_dir())]))
+    return [p for p in paths if not any(q in p.parents for q in paths)]      # a folder once, not also its parts
 
 
 # where services keep their Unix sockets (docker, databases, the init system): without a network a worker can still

@@ -27,9 +27,10 @@ import torch
 import harness.run as harness_run
 from conftest import DEFINITION, PROJECT, ROOT, make_solution
 from harness import runner, sandbox
-from harness.project import Settings
+from harness.project import Project, Settings
 from harness.solutions import load_solution, source_sha256
-from harness.workloads import load_workloads, select
+from harness.definition import find_definition
+from harness.workloads import load_inputs, load_workloads, select
 
 HONEST = "torch_v1"
 DATA = ("definitions", "workloads", "traces")       # what a run reads from the repository
@@ -77,6 +78,10 @@ def repo(tmp_path):
     for part in DATA:
         shutil.copytree(ROOT / part, copy / part)
     shutil.copytree(ROOT / "solutions" / HONEST, copy / "solutions" / HONEST)
+    project = Project.at(copy)
+    defn = find_definition(DEFINITION, project.definitions)
+    for w in select(load_workloads(defn, project.workload_file(defn)), [1], ["random"]):
+        load_inputs(defn, w, root=copy)         # its blob now, as a clean checkout's run makes it, not during the test
     return copy
 
 
@@ -296,6 +301,57 @@ def test_the_hosts_service_sockets_are_out_of_reach(defn, one, tmp_path):
         listener.close()
         shutil.rmtree(folder)
     assert result.status == runner.PASSED, result.log
+
+SECRET_READER = """
+from flush import run as flush
+
+SECRET, PATHS = {secret!r}, {paths!r}
+
+
+def run(*x):
+    for path in PATHS:
+        try:
+            with open(path, "rb") as f:
+                seen = f.read()
+        except OSError:
+            continue
+        if SECRET in seen:
+            raise RuntimeError(f"read {{path}}: {{seen!r}}")
+    return flush(*x)
+"""
+
+
+@needs_sandbox
+def test_files_the_host_keeps_private_and_folders_beyond_the_system_are_out_of_reach(defn, one, tmp_path):
+    """The harness often runs as root, and the worker is that user in its namespace: a file in /etc that only its
+    owner may read (like /etc/shadow), a file in a folder others cannot enter, and any file outside the system
+    folders (/var, a second root, a data disk) would be readable, and an exception carries what it read into the
+    run's table and the traces."""
+    tag = f"harness-test-{uuid.uuid4().hex}"
+    secret = uuid.uuid4().hex.encode()
+    private_file, private_dir, outside = Path("/etc") / tag, Path("/etc") / f"{tag}.d", Path("/var") / tag
+    try:
+        private_dir.mkdir(mode=0o700)
+        outside.mkdir()
+    except OSError:
+        pytest.skip("/etc or /var is not writable here")
+    try:
+        private_file.write_bytes(secret)
+        private_file.chmod(0o600)
+        (private_dir / "key").write_bytes(secret)
+        (private_dir / "key").chmod(0o644)
+        (outside / "data").write_bytes(secret)
+        paths = [str(private_file), str(private_dir / "key"), str(outside / "data")]
+        sandbox._private_masks.cache_clear()            # /etc as it is now, with the files just made
+        sol = plant(defn, tmp_path / "planted", "reader", SECRET_READER.format(secret=secret, paths=paths))
+        [result] = judge(defn, sol, one)
+    finally:
+        private_file.unlink(missing_ok=True)
+        shutil.rmtree(private_dir, ignore_errors=True)
+        shutil.rmtree(outside, ignore_errors=True)
+        sandbox._private_masks.cache_clear()
+    assert result.status == runner.PASSED, result.log
+
 
 # 3. A detached process that outlives the worker -----------------------------------------------------------------
 
@@ -920,6 +976,8 @@ os.chdir(os.path.expanduser("~"))
 for _ in range(1500):           # deeper than Python's recursion limit
     os.makedirs("d", exist_ok=True)
     os.chdir("d")
+with open("bottom", "wb") as f:
+    f.write(bytes(2 << 20))
 os.chdir(_here)
 
 
@@ -930,7 +988,10 @@ def run(*x):
 
 @needs_sandbox
 def test_a_home_deeper_than_the_recursion_limit_is_measured_and_removed(defn, one, tmp_path, monkeypatch):
-    monkeypatch.setattr(sandbox, "HOME_BYTES", -1)      # every home is "too large": it is removed after the run
+    """The 2 MiB file at the bottom is counted (a recursive walk would stop short and count nothing), so the
+    home is over the limit after the run and removed; measured only then (the watch during the run is held off)."""
+    monkeypatch.setattr(sandbox, "HOME_BYTES", 1 << 20)
+    monkeypatch.setattr(sandbox, "HOME_CHECK_S", 3600.0)
     [result] = judge(defn, plant(defn, tmp_path / "planted", "deep_home", DEEP_HOME), one)
     assert result.status == runner.PASSED, result.log
     assert list((sandbox.cache_root() / "home").glob("deep_home-*")) == []
