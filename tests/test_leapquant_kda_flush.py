@@ -136,6 +136,24 @@ def test_swapped_scales_rejected(defn):
     assert not v.passed and "ratio" in v.reason
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scales_that_only_work_out_in_fp64_are_rejected(defn, seed):
+    """s_k raised and s_v lowered by the same power of two on one head: the exact decode is unchanged, bit for bit,
+    but a consumer's fp32 decode ((codes * s_k) / 127 * s_v) overflows there."""
+    x = _inputs(defn, "random", 1, seed)
+    ref = defn.reference_run()(**x)
+    s_k, s_v = ref[1].clone(), ref[2].clone()
+    shift = 2.0 ** (121 - int(torch.log2(s_k[0, 7].max()).floor()))      # codes * s_k past fp32's 3.4e38
+    s_k[0, 7] *= shift
+    s_v[0, 7] /= shift
+    assert torch.isfinite(s_k).all() and float(s_v[0, 7].min()) >= 2.0 ** -126      # still normal fp32 numbers
+    tampered = (ref[0], s_k, s_v, ref[3], ref[4])
+    assert torch.equal(op.decode_checkpoint(*tampered), op.decode_checkpoint(*ref))
+    v = op.judge(x, tampered, ref)
+    assert not v.passed and v.extra["failure"] == "non-finite fp32 decode" and "head 7" in v.reason, v.reason
+    assert op.judge(x, ref, ref).passed
+
+
 def test_zero_head_must_decode_exactly(defn):
     x = _inputs(defn, "edge", 1, 4)
     ref = defn.reference_run()(**x)

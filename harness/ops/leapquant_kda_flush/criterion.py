@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from harness.ops import Verdict
-from harness.ops.leapquant_kda_flush.exact import decode_checkpoint, exact_state
+from harness.ops.leapquant_kda_flush.exact import decode_checkpoint, exact_state, served_checkpoint
 from harness.ops.leapquant_kda_flush.layout import POOL_CALL_ARGS, QMAX
 
 RATIO_LIMIT = 1.01      # err_candidate <= RATIO_LIMIT * err_reference ...
@@ -19,8 +19,11 @@ UNIT_ROW = 1.01         # the reference's token rows q are unit or zero: a longe
 
 
 def _abs_error(outputs, state: torch.Tensor) -> torch.Tensor:
-    """|decode(checkpoint) - S| elementwise, for outputs (codes, s_k, s_v, u, q) in definition order."""
-    return (decode_checkpoint(*outputs) - state).abs()
+    """|decode(checkpoint) - S| elementwise, for outputs (codes, s_k, s_v, u, q) in definition order: the larger of
+    the exact decode's error and that of the fp32 decode a consumer computes (served_checkpoint), so that a
+    checkpoint is judged as it would serve."""
+    exact = (decode_checkpoint(*outputs) - state).abs()
+    return torch.maximum(exact, (served_checkpoint(*outputs).double() - state).abs(), out=exact)
 
 
 def head_errors(outputs, state: torch.Tensor) -> torch.Tensor:
@@ -117,6 +120,12 @@ def judge(inputs: dict, outputs, reference_outputs, reference_code: str | None =
         return Verdict(False, f"code {int(outputs[0][b, h].min())} out of range [-127, 127] in codes_new at "
                               f"(batch {b}, head {h})", None, math.inf, math.inf,
                        {"failure": "code out of range", "program": [b, h]})
+    served = served_checkpoint(*outputs)
+    if not torch.isfinite(served).all():
+        b, h = _first_head(~torch.isfinite(served))
+        return Verdict(False, f"the checkpoint decodes to non-finite values in fp32 at (batch {b}, head {h})", None,
+                       math.inf, math.inf, {"failure": "non-finite fp32 decode", "program": [b, h]})
+    del served
     state = exact_state(inputs)
     scale = state.abs().mean((-2, -1))
     abs_error = _abs_error(outputs, state)

@@ -24,6 +24,14 @@ def decode_checkpoint(codes, s_k, s_v, u, q) -> torch.Tensor:
     return low_rank + codes.double() * (s_k.double() / QMAX)[..., None, :] * s_v.double()[..., :, None]
 
 
+def served_checkpoint(codes, s_k, s_v, u, q) -> torch.Tensor:
+    """The state as a consumer decodes it: in fp32, the formula left to right, q^T u + ((codes * s_k) / 127) * s_v.
+    It differs from the exact decode by fp32 rounding alone, unless the scales only work out in fp64 (a product that
+    overflows or sinks below fp32's range)."""
+    low_rank = torch.einsum("...rv,...rk->...vk", q.float(), u.float())
+    return low_rank + codes.float() * s_k.float()[..., None, :] / QMAX * s_v.float()[..., :, None]
+
+
 def exact_state(inputs: dict) -> torch.Tensor:
     """The state the flush must quantize, rebuilt in fp64 from the inputs."""
     return advance(decode_checkpoint(*(inputs[k] for k in CHECKPOINT)), inputs)
