@@ -25,7 +25,7 @@ from harness.definition import find_definition, project_definition
 from harness.ops import Operator, load_op
 from harness.records import (RECORDS, DeployRecord, DriftRecord, EvaluationStatus, SolutionRun, StressRecord, Trace,
                              parse, read_json)
-from harness.solutions import discover, load_solution, source_sha256
+from harness.solutions import discover, load_solution, source_sha256, unmet_needs
 from harness.project import LEADERBOARD_FILE, PLOT_FILE, Project, write_file
 from harness.traces import load_traces, read_traces
 from harness.workloads import load_workloads, select
@@ -336,8 +336,9 @@ def ci_report(defn, cpu_root: Path, project: Project, root: Path | None = None) 
             pending.append([name, "does not load"])
             continue
         cpu = load_traces(defn.name, name, cpu_root)
-        if sol.language == "cuda" and not cpu:
-            verdict = "skipped: a CUDA solution needs a GPU (its sources compile in the test suite)"
+        why_not = unmet_needs(sol, "cpu")
+        if why_not and not cpu:
+            verdict = f"skipped: {why_not}"
         elif not cpu:
             verdict = "not run on the CPU"
         else:

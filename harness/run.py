@@ -23,7 +23,7 @@ from harness.definition import project_definition
 from harness.ops import Operator, load_op
 from harness.runner import (COMPILE_ERROR, INCORRECT_DTYPE, INCORRECT_NUMERICAL, INCORRECT_SHAPE, PASSED,
                             RUNTIME_ERROR, TIMEOUT, Calibration, Result, deal, evaluate)
-from harness.solutions import REFERENCE, SolutionError, discover, load_solution
+from harness.solutions import REFERENCE, SolutionError, discover, load_solution, unmet_needs
 from harness.workloads import load_workloads, make_workload, select
 
 CPU_BATCH_SIZES = (1, 2)
@@ -220,10 +220,10 @@ def execute(args: argparse.Namespace) -> int:
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if device == "cpu":
-        for sol in [s for s in solutions if s.language == "cuda"]:
-            print(f"skipping {sol.name}: a CUDA solution needs a GPU", flush=True)
-        solutions = [s for s in solutions if s.language != "cuda"]
+    unmet = {s.name: unmet_needs(s, device) for s in solutions}
+    for sol in [s for s in solutions if unmet[s.name]]:
+        print(f"skipping {sol.name}: {unmet[sol.name]}", flush=True)
+    solutions = [s for s in solutions if not unmet[s.name]]
     env = cluster_env or traces.environment(device)
     run_seed = args.run_seed if args.run_seed is not None else int.from_bytes(os.urandom(7), "little")
     on = device if slots == [None] else f"{len(slots)} x {device}" + (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,33 @@ class Solution:
         return {"name": self.name, "language": self.language, "entry_file": self.entry_file,
                 "entry_function": self.entry_function, "destination_passing_style": self.destination_passing_style,
                 "sources": list(self.sources)}
+
+
+def unmet_needs(sol: Solution, device: str) -> str | None:
+    """Why `sol` cannot run here (None when it can): a CUDA solution on a CPU run, or a dependency (a pip
+    requirement in solution.json, e.g. "triton == 3.6.0" for a kernel written against one Triton's API) that this
+    Python does not satisfy, nor a program of that name on PATH (a build tool such as ninja). A run skips such a
+    solution with this reason rather than judging it a failure."""
+    if sol.language == "cuda" and device == "cpu":
+        return "a CUDA solution needs a GPU"
+    from importlib import metadata
+    from packaging.requirements import InvalidRequirement, Requirement
+    for text in sol.dependencies:
+        try:
+            need = Requirement(text)
+        except InvalidRequirement:
+            continue                        # not a pip requirement (a tool, a toolkit): nothing to check it against
+        if need.marker is not None and not need.marker.evaluate():
+            continue
+        try:
+            have = metadata.version(need.name)
+        except metadata.PackageNotFoundError:
+            if not need.specifier and shutil.which(need.name):
+                continue
+            return f"it needs {text}, not installed here"
+        if need.specifier and not need.specifier.contains(have, prereleases=True):
+            return f"it needs {text}; this machine has {need.name} {have}"
+    return None
 
 
 def source_sha256(sol: Solution, defn: Definition) -> str:

@@ -39,7 +39,7 @@ def axes_for(defn, batch_size):
     return defn.resolve_axes({"batch_size": batch_size})
 
 
-def make_solution(root, name, code, dps=False, language="python", copy_flush=True):
+def make_solution(root, name, code, dps=False, language="python", copy_flush=True, dependencies=()):
     """A solution folder under root: `main.py` holding `code` (entry `run`), beside a copy of torch_v1's flush.py
     so a fixture can wrap a correct flush. Returns the folder."""
     import json
@@ -54,6 +54,6 @@ def make_solution(root, name, code, dps=False, language="python", copy_flush=Tru
     (folder / "solution.json").write_text(json.dumps({
         "name": name, "definition": DEFINITION, "author": "tests", "description": "fixture",
         "spec": {"language": language, "target_hardware": ["CPU"], "entry_point": "main.py::run",
-                 "destination_passing_style": dps, "dependencies": []},
+                 "destination_passing_style": dps, "dependencies": list(dependencies)},
         "sources": sources}))
     return folder

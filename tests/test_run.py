@@ -8,7 +8,7 @@ from conftest import DEFINITION, PROJECT, make_solution
 from harness import run
 from harness.ops import leapquant_kda_flush as op
 from harness.definition import find_definition
-from harness.solutions import discover, load_solution, source_sha256
+from harness.solutions import discover, load_solution, source_sha256, unmet_needs
 from harness.workloads import load_workloads, select
 
 SOLUTIONS = discover(find_definition(DEFINITION, PROJECT.definitions), PROJECT.solutions)
@@ -17,8 +17,8 @@ SOLUTIONS = discover(find_definition(DEFINITION, PROJECT.definitions), PROJECT.s
 @pytest.mark.parametrize("name", SOLUTIONS)
 def test_solution_passes_every_family_on_cpu(name, defn, capsys):
     sol = load_solution(name, defn, PROJECT.solutions)
-    if sol.language == "cuda":
-        pytest.skip("CUDA sources are checked by their compile test; they need a GPU to run")
+    if unmet_needs(sol, "cpu"):
+        pytest.skip(f"{name} does not run here ({unmet_needs(sol, 'cpu')}): its compile test checks its sources")
     code = run.main(["--solution", name, "--device", "cpu", "--batch-sizes", "1,2", "--no-traces"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -194,3 +194,14 @@ def test_devices_refuses_what_it_cannot_use(capsys):
         assert run.main(["--solution", "torch_v1", "--devices", devices, "--no-traces"]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_a_run_skips_a_solution_whose_dependencies_are_unmet_and_judges_the_rest(tmp_project, capsys):
+    make_solution(tmp_project.solutions, "pinned", "from flush import run\n", dependencies=("triton == 0.0.1",))
+    make_solution(tmp_project.solutions, "plain", "from flush import run\n")
+    code = run.main(["--solution", "pinned", "--solution", "plain", "--device", "cpu", "--batch-sizes", "1",
+                     "--families", "random", "--no-traces", "--project", str(tmp_project.root)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "skipping pinned: it needs triton == 0.0.1; this machine has triton" in out
+    assert "plain" in out and "1 solution x 1 workload: 1 PASSED" in out, out

@@ -7,7 +7,8 @@ import torch
 from conftest import PROJECT, make_solution
 from harness import sandbox
 from harness.ops import leapquant_kda_flush as op
-from harness.solutions import REFERENCE, SolutionError, discover, load_entry, load_solution, source_sha256
+from harness.solutions import (REFERENCE, SolutionError, discover, load_entry, load_solution, source_sha256,
+                               unmet_needs)
 
 
 def test_discover_lists_reference_first(defn):
@@ -127,3 +128,20 @@ def test_a_source_larger_than_the_limit_is_refused(defn, tmp_path):
     (folder / "solution.json").write_text(json.dumps(raw))
     with pytest.raises(SolutionError, match="larger than 64 MiB"):
         load_solution("large", defn, tmp_path)
+
+
+@pytest.mark.parametrize("dependencies, language, device, says", [
+    ((), "python", "cpu", None),
+    (("torch >= 2.0", "packaging"), "python", "cpu", None),
+    (("sh",), "python", "cpu", None),                                  # a program on PATH, not a package
+    (("torch >= 2.0; python_version < '3'",), "python", "cpu", None),  # a marker this Python does not meet
+    (("triton == 0.0.1",), "triton", "cpu", "it needs triton == 0.0.1; this machine has triton"),
+    (("no-such-package-here",), "python", "cuda", "it needs no-such-package-here, not installed here"),
+    ((), "cuda", "cpu", "a CUDA solution needs a GPU"),
+    ((), "cuda", "cuda", None),
+])
+def test_unmet_needs_names_what_is_missing(defn, tmp_path, dependencies, language, device, says):
+    make_solution(tmp_path, "needy", "def run(*x):\n    return x\n", language=language, dependencies=dependencies)
+    why = unmet_needs(load_solution("needy", defn, tmp_path), device)
+    assert why == says if says is None else why.startswith(says), why
+
