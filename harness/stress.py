@@ -3,8 +3,8 @@
 
 Each example is one call (B batch elements, each several programs) whose programs are drawn from the operator's
 PROGRAM_GRAMMAR (one option of every named axis per program; programs past the drawn list take the plainest option
-of every axis) and CALL_GRAMMAR, with a seed for the values. The solution runs in its sandboxed worker and is judged
-as `harness.run` judges it (same loader, runner, timeouts and judge). Hypothesis drives the search: it shrinks a
+of every axis) and CALL_GRAMMAR, with a seed for the values (mixed with the search's salt, so that no call's
+inputs are known in advance). The solution runs in its sandboxed worker and is judged as `harness.run` judges it (same loader, runner, timeouts and judge). Hypothesis drives the search: it shrinks a
 failing example towards the fewest programs off their plainest options (it may leave plain programs before
 the one that fails: they are the same as the programs past the list), keeps failing examples in the project's
 .hypothesis/ and tries them first next time. Each distinct failure is printed as one line and written as a
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -75,21 +76,21 @@ def params_of(op, example: dict) -> dict:
             "call": named(example["call"], op.CALL_GRAMMAR)}
 
 
-def describe(op, example: dict) -> str:
-    """One line: the programs off plain (by index; the others are plain), the call's choices, the seed."""
+def describe(op, example: dict, seed: int) -> str:
+    """One line: the programs off plain (by index; the others are plain), the call's choices, the values' seed."""
     params = params_of(op, example)
     programs = "; ".join(f"program {i}: " + " ".join(f"{a}={o}" for a, o in p.items())
                          for i, p in enumerate(params["programs"]) if p) or "every program plain"
     call = " ".join(f"{a}={o}" for a, o in params["call"].items()) or "plain"
-    return f"{programs} | call: {call} | seed {example['seed']}"
+    return f"{programs} | call: {call} | seed {seed}"
 
 
 class Search:
     """The search over one solution: its worker, the examples tried and the distinct failures found."""
 
     def __init__(self, defn: Definition, solution: str, device: str, batch_size: int, timeout_s: float,
-                 project: Project, solutions_root: str | Path | None = None):
-        self.defn, self.device, self.project = defn, device, project
+                 project: Project, solutions_root: str | Path | None = None, salt: int = 0):
+        self.defn, self.device, self.project, self.salt = defn, device, project, salt
         self.op = load_op(defn.op_type)
         self.sol = load_solution(solution, defn, solutions_root or project.solutions)
         self.var_axes = {"batch_size": batch_size}
@@ -102,9 +103,14 @@ class Search:
         self.worker = Worker(self.sol, defn, device, timeout_s, hide=[project.root])
         self.calls = 0
 
+    def values_seed(self, example: dict) -> int:
+        """The seed of an example's values: its own mixed with the search's salt (search_salt)."""
+        digest = hashlib.blake2b(f"{self.salt}:{example['seed']}".encode(), digest_size=4).digest()
+        return int.from_bytes(digest, "little")
+
     def inputs(self, example: dict) -> dict:
-        return generate_tensors(self.defn, self.op.STRESS_FAMILY, self.var_axes, example["seed"], self.device,
-                                params_of(self.op, example))
+        return generate_tensors(self.defn, self.op.STRESS_FAMILY, self.var_axes, self.values_seed(example),
+                                self.device, params_of(self.op, example))
 
     def check(self, example: dict) -> None:
         """Judge the solution on one example; raise the Failure of its kind when it is not PASSED."""
@@ -144,16 +150,37 @@ class Search:
         """Write the failing example as a one-line workload file (and its blob) under folder; its path. The blob's
         path in the line is relative to the project's root (as harness.run reads it), absolute outside it."""
         params = params_of(self.op, failure.example)
-        digest = hashlib.sha256(json.dumps([params, failure.example["seed"]], sort_keys=True).encode()).hexdigest()
+        seed = self.values_seed(failure.example)
+        digest = hashlib.sha256(json.dumps([params, seed], sort_keys=True).encode()).hexdigest()
         stem = f"{self.op.STRESS_FAMILY}_{digest[:12]}"
         blob = Path(folder).resolve() / f"{stem}.safetensors"
         if blob.is_relative_to(self.project.root):
             blob = blob.relative_to(self.project.root)
-        workload = write_workload(self.defn, self.op.STRESS_FAMILY, self.var_axes, failure.example["seed"],
+        workload = write_workload(self.defn, self.op.STRESS_FAMILY, self.var_axes, seed,
                                   blob.as_posix(), params, root=self.project.root)
         path = folder / f"{stem}.jsonl"
         save_workloads(path, [workload])
         return path
+
+
+def search_salt(seed: int | None, database: Path | None) -> int:
+    """Mixed into every example's seed, so that no call's inputs are known in advance: Hypothesis tries the plainest
+    example with seed 0 first, and a solution that recognised that call would know it is being searched and could
+    take its careful path from then on. Derived from --seed for a repeatable search; else kept beside the project's
+    database (the failures it replays then stand for the same inputs; the worker does not see the project), else
+    new."""
+    if seed is not None:
+        return int.from_bytes(hashlib.blake2b(f"seed:{seed}".encode(), digest_size=8).digest(), "little")
+    fresh = int.from_bytes(os.urandom(8), "little")
+    if database is None:
+        return fresh
+    path = database.with_name(f"{database.name}.salt")
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, f"{fresh}\n")
+        return fresh
 
 
 def _failures(e: BaseException) -> list[Failure]:
@@ -203,7 +230,10 @@ def execute(args: argparse.Namespace) -> int:
         project = cli.project_of(args)
         defn = project_definition(project, args.definition)
         settings = cli.settings_of(args, load_competition(project))
-        search = Search(defn, args.solution, device, args.batch_size, settings.timeout_s, project, args.solutions)
+        database = (None if args.no_database or args.seed is not None
+                    else project.stress_database / defn.name / args.solution)
+        search = Search(defn, args.solution, device, args.batch_size, settings.timeout_s, project, args.solutions,
+                        search_salt(args.seed, database))
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -211,7 +241,6 @@ def execute(args: argparse.Namespace) -> int:
     print(f"{name}: searching {args.examples} examples of {search.n_programs} programs (batch_size="
           f"{args.batch_size}) on {device}, " + (f"seed {args.seed}" if args.seed is not None else "random seed"),
           flush=True)
-    database = None if args.no_database or args.seed is not None else project.stress_database / defn.name / name
     started = time.perf_counter()
     try:
         failures = search.run(args.examples, args.seed, database)
@@ -222,10 +251,12 @@ def execute(args: argparse.Namespace) -> int:
     rows = []
     for f in failures:
         path = search.reproducer(f, Path(args.out or project.stress_failures) / name)
-        print(f"FAILED {f.status}: {' '.join(f.log.split())[:200]} | {describe(search.op, f.example)} | "
+        print(f"FAILED {f.status}: {' '.join(f.log.split())[:200]} | "
+              f"{describe(search.op, f.example, search.values_seed(f.example))} | "
               f"replay: python -m harness.run --solution {name} --workloads {path}", flush=True)
         rows.append({"status": f.status, "log": f.log, search.op.WORDING.score_key: f.score,
-                     "params": params_of(search.op, f.example), "seed": f.example["seed"], "reproducer": str(path)})
+                     "params": params_of(search.op, f.example), "seed": search.values_seed(f.example),
+                     "reproducer": str(path)})
     print(f"{name}: {len(failures)} distinct failure(s) in {search.calls} calls ({args.examples} examples and "
           f"shrinking), {seconds:.0f} s", flush=True)
     if args.record:

@@ -72,6 +72,39 @@ def test_correct_solution_searches_clean_and_records(defn, tmp_path, capsys):
     assert not _reproducers(tmp_path, "exact")
 
 
+SEARCH_SPOTTER = """
+import torch
+
+from flush import run as flush
+from harness.ops.leapquant_kda_flush import make_inputs
+
+searched = None
+
+
+def run(codes, s_k, s_v, u, q, *rest):
+    # Hypothesis tries the plainest example with seed 0 first: a search's first call would be exactly this one
+    global searched
+    if searched is None:
+        B, H, V, K = codes.shape
+        axes = {"batch_size": B, "num_heads": H, "value_dim": V, "key_dim": K, "window": rest[0].shape[2],
+                "rank": u.shape[2]}
+        plain = make_inputs("stress", axes, 0, params={"programs": [{}], "call": {}})
+        searched = torch.equal(plain["codes"], codes) and torch.equal(plain["s_k"], s_k)
+    out = flush(codes, s_k, s_v, u, q, *rest)
+    if searched:
+        return out
+    return (out[0], out[1] * 1.5) + tuple(out[2:])      # wrong whenever it does not know it is searched
+"""
+
+
+def test_a_solution_cannot_tell_the_search_from_its_first_call(defn, tmp_path, capsys):
+    """The search's salt makes its first call's inputs unknown in advance: a solution that is careful only once it
+    has recognised that call is searched like any other and fails."""
+    make_solution(tmp_path / "solutions", "spotter", SEARCH_SPOTTER)
+    assert _search(tmp_path, "spotter", "--examples", "3") == 1
+    assert "FAILED INCORRECT_NUMERICAL" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("case", ["unknown solution", "import error", "bad count"])
 def test_bad_input_is_one_line(defn, tmp_path, capsys, case):
     if case == "import error":
