@@ -57,3 +57,45 @@ def make_solution(root, name, code, dps=False, language="python", copy_flush=Tru
                  "destination_passing_style": dps, "dependencies": list(dependencies)},
         "sources": sources}))
     return folder
+
+
+def ptxas_report(folder: Path, source: Path, obj: Path, kernels: int) -> str:
+    """Compiles a CUDA solution's `source` (pure CUDA, its folder on the include path) for sm_90a with the machine's
+    nvcc and ptxas's report; asserts no error, and for each of the `kernels` it reports no spill and no stack frame.
+    Returns the report (registers are the caller's to bound). Skipped only where nvcc is absent."""
+    import re
+    import shutil
+    import subprocess
+    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
+    if nvcc is None:
+        pytest.skip("nvcc not found on PATH: the compile check needs the CUDA toolkit")
+    cmd = [nvcc, "-c", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v,-warn-spills",
+           "-I", str(folder), str(source), "-o", str(obj)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    report = res.stdout + res.stderr
+    assert res.returncode == 0, report
+    assert "error" not in report.lower(), report
+    spills = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)]
+    assert len(spills) == kernels, f"expected {kernels} kernels in:\n{report}"
+    assert all(a == 0 and b == 0 for a, b in spills), report
+    assert "Registers are spilled" not in report, report
+    stack = [int(x) for x in re.findall(r"(\d+) bytes stack frame", report)]
+    assert len(stack) == kernels and all(x == 0 for x in stack), report
+    return report
+
+
+def assert_cpu_tensors_refused(name: str) -> None:
+    """A GPU-only solution called with CPU tensors raises one RuntimeError line naming CUDA (importing it builds
+    nothing), and leaves the inputs on the CPU."""
+    from harness.definition import find_definition
+    from harness.ops import leapquant_kda_flush as op
+    from harness.solutions import load_entry, load_solution
+    defn = find_definition(DEFINITION, PROJECT.definitions)
+    call = load_entry(load_solution(name, defn, PROJECT.solutions), defn)
+    axes = defn.resolve_axes({"batch_size": 1})
+    x = op.make_inputs("random", axes, 1)
+    with pytest.raises(RuntimeError) as err:
+        call(x, axes)
+    message = str(err.value)
+    assert "\n" not in message.strip() and "CUDA" in message, message
+    assert not any(t.is_cuda for t in x.values())

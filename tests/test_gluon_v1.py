@@ -12,10 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
-from conftest import PROJECT
-from harness.solutions import load_entry, load_solution
+from conftest import PROJECT, assert_cpu_tensors_refused
 
 FOLDER = Path(__file__).resolve().parents[1] / "solutions" / "gluon_v1"
 TOOL = FOLDER / "tools" / "compile_sm90.py"
@@ -61,13 +58,5 @@ def test_kernel_compiles_for_sm90a_within_its_register_budget(reports, mode):
     assert 1_000 < r["sass_to_exit"] <= SASS_TO_EXIT_MAX, r
 
 
-def test_cpu_tensors_are_refused_in_one_line(defn):
-    run = load_entry(load_solution("gluon_v1", defn, PROJECT.solutions), defn)
-    axes = defn.resolve_axes({"batch_size": 1})
-    from harness.ops import leapquant_kda_flush as op
-    x = op.make_inputs("random", axes, 1)
-    with pytest.raises(RuntimeError) as info:
-        run(x, axes)
-    message = str(info.value)
-    assert "\n" not in message.strip() and "CUDA" in message, message
-    assert all(not t.is_cuda for t in x.values() if isinstance(t, torch.Tensor))
+def test_cpu_tensors_are_refused_in_one_line():
+    assert_cpu_tensors_refused("gluon_v1")
