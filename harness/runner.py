@@ -71,6 +71,17 @@ def _one_line(text, limit: int = 500) -> str:
     return one_line(text, limit)
 
 
+def home_name(sol: Solution) -> str:
+    """The name of a solution's home (its build cache, one per sources hash): the harness's own solutions ("<null>")
+    get names no solution's can be ("_null"); a folder's is named after the folder too, so that a same-named
+    solution elsewhere (another project on this machine) neither shares nor prunes it."""
+    if sol.name.startswith("<"):
+        return f"_{sol.name.strip('<>')}"
+    if sol.folder is None:
+        return sol.name
+    return f"{sol.name}@{hashlib.sha256(str(sol.folder.resolve()).encode()).hexdigest()[:8]}"
+
+
 class Worker:
     """A solution's sandboxed process. `request` returns ("ok", header, tensors) or (status, one-line log, None);
     `fatal` is set once the worker timed out, died or sent a malformed reply (it is then stopped)."""
@@ -86,9 +97,7 @@ class Worker:
         self.sha256 = sandbox.files_sha256(self.files)
         env = {"TRITON_INTERPRET": "1"} if device == "cpu" and sol.language == "triton" else {}
         uuid = gpu_uuid(gpu) if device == "cuda" else None      # the worker sees that one GPU, as "cuda"
-        # the harness's own solutions ("<null>") get homes that no solution's name can give ("_null")
-        home = f"_{sol.name.strip('<>')}" if sol.name.startswith("<") else sol.name
-        self.box = sandbox.Sandbox(home, self.files, self.sha256, hide, env, gpu=uuid)
+        self.box = sandbox.Sandbox(home_name(sol), self.files, self.sha256, hide, env, gpu=uuid)
         self.proc: subprocess.Popen | None = None
         self.fatal: str | None = None
         self.gone = True                        # whether the last stop left none of its processes behind
@@ -134,7 +143,8 @@ class Worker:
         while proc.poll() is None:
             time.sleep(sandbox.HOME_CHECK_S)
             if proc.poll() is None and self.box.home_too_large():
-                self.home_overflow = f"its home grew past {sandbox.HOME_BYTES >> 20} MiB; worker killed"
+                self.home_overflow = (f"its home grew past {sandbox.HOME_BYTES >> 20} MiB or "
+                                      f"{sandbox.HOME_ENTRIES} files and folders; worker killed")
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -42,6 +42,7 @@ PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE
 HARNESS_PACKAGE = Path(__file__).resolve().parent
 TMPFS_BYTES = 4 << 30           # the worker's /tmp and /dev/shm
 HOME_BYTES = 8 << 30            # a home larger than this (build caches are far smaller) ends its worker and is deleted
+HOME_ENTRIES = 200_000          # ... and one of more files and folders than this (empty ones take the disk's inodes)
 HOME_CHECK_S = 2.0              # how often a running worker's home is measured
 SOURCE_BYTES = 64 << 20         # a solution's files together (staged in memory and hashed before it runs)
 INFO_TIMEOUT_S = 30.0           # for bwrap to report its child's PID
@@ -144,7 +145,11 @@ def _bwrap_argv(bwrap: str, stage: Path, home: Path, hide: list[Path], devices: 
             argv += ["--ro-bind", str(path), str(path)]
     argv += ["--ro-bind", str(stage), str(SOLUTION_DIR), "--ro-bind", str(HARNESS_PACKAGE), str(LIB_DIR / "harness"),
              "--bind", str(home), str(HOME_DIR),
-             "--unshare-all", "--die-with-parent", "--new-session", "--chdir", str(HOME_DIR)]
+             "--unshare-all", "--die-with-parent", "--new-session", "--chdir", str(HOME_DIR),
+             # run as root, bwrap would leave the worker every capability of its user namespace, and one mount() call
+             # would make the read-only binds (the harness's own sources among them) writable; without them, and
+             # without a nested user namespace to gain them in, the binds stay as they are
+             "--unshare-user", "--cap-drop", "ALL", "--disable-userns"]
     return argv + ["--"]
 
 
@@ -187,6 +192,11 @@ def named_folders() -> list[Path]:
     paths = list(dict.fromkeys([*python_paths(), *(Path(n).resolve() for n in names
                                                     if n.startswith("/") and Path(n).is_dir())]))
     return [p for p in paths if not any(q in p.parents for q in paths)]      # a folder once, not also its parts
+
+
+# the worker and all it starts are what the kernel's out-of-memory killer takes first (a process may raise its own
+# score, not lower it): a solution that spreads its memory over many processes must not make the harness the victim
+OOM_FIRST = ("/bin/sh", "-c", 'echo 1000 > /proc/self/oom_score_adj 2>/dev/null; exec "$@"', "sh")
 
 
 # where services keep their Unix sockets (docker, databases, the init system): without a network a worker can still
@@ -309,7 +319,7 @@ class Sandbox:
         self.cwd = str(HOME_DIR) if self.sandboxed else str(self.home)
 
     def argv(self, python_args: list[str]) -> list[str]:
-        return [*self._prefix, sys.executable, *python_args]
+        return [*OOM_FIRST, *self._prefix, sys.executable, *python_args]
 
     def popen(self, python_args: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
         """The worker process, in a session of its own (so that killpg ends it and everything it started). Sandboxed,
@@ -355,7 +365,8 @@ class Sandbox:
         return bool(readable)
 
     def home_too_large(self) -> bool:
-        return _size(self.home) > HOME_BYTES
+        nbytes, entries = _size(self.home)
+        return nbytes > HOME_BYTES or entries > HOME_ENTRIES
 
     def close(self) -> None:
         """Remove the staged sources; delete the home if the solution left it larger than HOME_BYTES (it is the one
@@ -391,15 +402,17 @@ def _child_pid(reader) -> int | None:
         return None
 
 
-def _size(folder: Path) -> int:
-    """Bytes of the files under folder, links not followed; walked with a list, not recursion (a solution controls
-    how deep the folder goes)."""
-    total, todo = 0, [str(folder)]
-    while todo:
+def _size(folder: Path) -> tuple[int, int]:
+    """(bytes of the files, number of entries) under folder, links not followed; walked with a list, not recursion
+    (a solution controls how deep the folder goes), and no further than HOME_ENTRIES + 1 entries (past that the
+    answer is "too many" already)."""
+    total, count, todo = 0, 0, [str(folder)]
+    while todo and count <= HOME_ENTRIES:
         try:
             entries = list(os.scandir(todo.pop()))
         except OSError:
             continue
+        count += len(entries)
         for entry in entries:
             try:
                 if entry.is_dir(follow_symlinks=False):
@@ -408,7 +421,7 @@ def _size(folder: Path) -> int:
                     total += entry.stat(follow_symlinks=False).st_size
             except OSError:
                 pass
-    return total
+    return total, count
 
 
 def _remove_unused(home: Path) -> None:

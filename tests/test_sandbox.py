@@ -124,8 +124,9 @@ def one_line(log: str) -> bool:
 
 
 def home_of(name: str) -> Path:
-    [home] = [p for p in (sandbox.cache_root() / "home").glob(f"{name}-*") if p.is_dir()]
-    return home
+    """The home of the planted solution `name` judged last (each planted folder has its own)."""
+    homes = [p for p in (sandbox.cache_root() / "home").glob(f"{name}@*-*") if p.is_dir()]
+    return max(homes, key=lambda p: p.stat().st_mtime)
 
 
 def attempts(name: str) -> dict[str, str]:
@@ -351,6 +352,66 @@ def test_files_the_host_keeps_private_and_folders_beyond_the_system_are_out_of_r
         shutil.rmtree(outside, ignore_errors=True)
         sandbox._private_masks.cache_clear()
     assert result.status == runner.PASSED, result.log
+
+
+REMOUNTER = ATTEMPT + """
+import ctypes
+import os
+
+from flush import run as flush
+
+MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def check(rc):
+    if rc != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+def make_writable(path):
+    # a test: it writes nothing there, and puts the bind back as it was if the remount went through
+    check(libc.mount(None, path.encode(), None, MS_REMOUNT | MS_BIND, None))
+    libc.mount(None, path.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+
+
+def nested_namespace():
+    check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS))
+
+
+def oom_score():
+    with open("/proc/self/oom_score_adj") as f:
+        if int(f.read()) != 1000:
+            raise OSError(0, "oom_score_adj " + f.read())
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("-1000")
+
+
+def run(*x):
+    for path in ("/sandbox/lib/harness", "/sandbox/solution", "/etc"):
+        attempt(f"remount {path}", lambda path=path: make_writable(path))
+    attempt("unshare a user namespace", nested_namespace)
+    attempt("lower the oom score", oom_score)
+    return flush(*x)
+"""
+
+
+@needs_sandbox
+def test_read_only_folders_cannot_be_remounted_and_the_worker_dies_first(defn, one, tmp_path):
+    """Run as root, bwrap left the worker every capability of its user namespace: one mount() call made the
+    read-only binds writable (the harness's own sources, /etc), and so would a nested user namespace. The
+    worker is also what the kernel's out-of-memory killer takes first, and cannot change that."""
+    before = snapshot(ROOT, ("harness",))
+    [result] = judge(defn, plant(defn, tmp_path / "planted", "remounter", REMOUNTER), one)
+    assert result.status == runner.PASSED, result.log
+    tried = attempts("remounter")
+    assert set(tried) == {"remount /sandbox/lib/harness", "remount /sandbox/solution", "remount /etc",
+                          "unshare a user namespace", "lower the oom score"}, tried
+    assert "done" not in tried.values(), tried
+    assert tried["lower the oom score"] in ("EACCES", "EPERM"), tried        # it read 1000, then could not lower it
+    assert snapshot(ROOT, ("harness",)) == before
 
 
 # 3. A detached process that outlives the worker -----------------------------------------------------------------
@@ -929,11 +990,15 @@ def test_a_home_left_too_large_is_deleted_and_older_homes_are_pruned(defn, one, 
     monkeypatch.setattr(sandbox, "HOME_BYTES", 100 << 20)
     monkeypatch.setattr(sandbox, "HOME_CHECK_S", 1e6)         # not measured while it runs: left behind
     sol = plant(defn, tmp_path / "planted", "flooder", FLOODER)
-    stale = sandbox.cache_root() / "home" / "flooder-0123456789abcdef"
+    stale = sandbox.cache_root() / "home" / f"{runner.home_name(sol)}-0123456789abcdef"
+    elsewhere = sandbox.cache_root() / "home" / "flooder@00000000-0123456789abcdef"    # another project's flooder
     stale.mkdir(parents=True)
+    elsewhere.mkdir(parents=True, exist_ok=True)
     [result] = judge(defn, sol, one)
     assert result.status == runner.PASSED, result.log
-    assert list((sandbox.cache_root() / "home").glob("flooder-*")) == []
+    assert list((sandbox.cache_root() / "home").glob(f"{runner.home_name(sol)}-*")) == []
+    assert elsewhere.is_dir()
+    elsewhere.rmdir()
 
 
 
@@ -949,7 +1014,33 @@ def test_a_home_that_grows_too_large_ends_the_worker_at_once(defn, one, tmp_path
     [result] = judge(defn, sol, one)
     assert result.status == runner.RUNTIME_ERROR and "its home grew past 50 MiB" in result.log, result.log
     assert time.monotonic() - start < 60
-    assert list((sandbox.cache_root() / "home").glob("filler-*")) == []
+    assert list((sandbox.cache_root() / "home").glob(f"{runner.home_name(sol)}-*")) == []
+
+
+INODE_FLOODER = """
+import os
+
+from flush import run as flush
+
+
+def run(*x):
+    folder = os.path.expanduser("~/empty")
+    os.makedirs(folder, exist_ok=True)
+    for i in range(3000):              # no bytes at all, but every one takes an inode of the host's disk
+        open(os.path.join(folder, str(i)), "w").close()
+    return flush(*x)
+"""
+
+
+@needs_sandbox
+def test_a_home_of_too_many_empty_files_is_deleted(defn, one, tmp_path, monkeypatch):
+    """Empty files and folders weigh nothing and still use up the disk's inodes: the home's entries are counted."""
+    monkeypatch.setattr(sandbox, "HOME_ENTRIES", 1000)
+    monkeypatch.setattr(sandbox, "HOME_CHECK_S", 1e6)         # not measured while it runs: left behind
+    sol = plant(defn, tmp_path / "planted", "inodes", INODE_FLOODER)
+    [result] = judge(defn, sol, one)
+    assert result.status == runner.PASSED, result.log
+    assert list((sandbox.cache_root() / "home").glob(f"{runner.home_name(sol)}-*")) == []
 
 
 def test_a_home_in_use_is_not_pruned_by_another_run():
@@ -992,9 +1083,10 @@ def test_a_home_deeper_than_the_recursion_limit_is_measured_and_removed(defn, on
     home is over the limit after the run and removed; measured only then (the watch during the run is held off)."""
     monkeypatch.setattr(sandbox, "HOME_BYTES", 1 << 20)
     monkeypatch.setattr(sandbox, "HOME_CHECK_S", 3600.0)
-    [result] = judge(defn, plant(defn, tmp_path / "planted", "deep_home", DEEP_HOME), one)
+    sol = plant(defn, tmp_path / "planted", "deep_home", DEEP_HOME)
+    [result] = judge(defn, sol, one)
     assert result.status == runner.PASSED, result.log
-    assert list((sandbox.cache_root() / "home").glob("deep_home-*")) == []
+    assert list((sandbox.cache_root() / "home").glob(f"{runner.home_name(sol)}-*")) == []
 
 
 def peak_rss_mb() -> float:
