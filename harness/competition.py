@@ -39,10 +39,12 @@ class Ranking(Selection):
     """How the leaderboard ranks solutions on each hardware: by `score` over the selected workloads, only those
     that pass every gate. workloads: every selected workload PASSED on the solution's current sources (its committed
     and fresh inputs, and on a GPU every timed call); stress: a clean `harness.stress --record` on them, on a GPU,
-    of at least `stress_examples` examples."""
+    of at least `stress_examples` examples drawn at batch sizes up to at least `stress_batch_size` (a search at one
+    small batch size would judge a path the ranking never times)."""
     score: Literal["geomean_speedup"] = "geomean_speedup"
     gates: list[Literal[GATES]] = list(GATES)
     stress_examples: Annotated[int, Field(gt=0, strict=True)] = 300
+    stress_batch_size: Annotated[int, Field(gt=0, strict=True)] = 512
 
 
 class Competition(Strict):

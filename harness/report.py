@@ -171,7 +171,7 @@ def stress_section(records: list[StressRecord], current: dict, op: Operator) -> 
         f"{op.WORDING.stress_subject}, each example judged as `harness.run` judges; examples: those drawn, calls: "
         "with the shrinking of failures.",
         "run `python -m harness.stress --solution NAME --examples 300 --device cuda --record`.",
-        ["solution", "measured sources", "hardware", "examples", "calls", "B", "outcome", "first failure"], rows)
+        ["solution", "measured sources", "hardware", "examples", "calls", "B up to", "outcome", "first failure"], rows)
 
 
 def best_floors(traces: list[Trace]) -> dict:
@@ -238,7 +238,8 @@ def ranking_section(traces: list[Trace], ranking: Ranking, ranked: dict, stress:
     # a search anyone can make vacuous (one example, on a CPU) does not count
     clean = {(r.definition, r.solution) for r in stress
              if not r.failures and sources_state([r], current.get((r.definition, r.solution))) == "current"
-             and r.examples >= ranking.stress_examples and not r.environment.hardware.startswith("CPU")}
+             and r.examples >= ranking.stress_examples and r.batch_size >= ranking.stress_batch_size
+             and not r.environment.hardware.startswith("CPU")}
     tables = 0
     for definition, chosen in sorted(ranked.items()):
         mine = [t for t in traces if t.definition == definition and t.workload.uuid in chosen]
@@ -259,7 +260,7 @@ def ranking_section(traces: list[Trace], ranking: Ranking, ranked: dict, stress:
                            "a workload without a speedup" if not all(speedups) else None)
                 if why is None and "stress" in ranking.gates and (definition, sol) not in clean:
                     why = (f"no clean stress record of its current sources (on a GPU, "
-                           f">= {ranking.stress_examples} examples)")
+                           f">= {ranking.stress_examples} examples, batch sizes up to {ranking.stress_batch_size})")
                 score = _geomean([sp for sp in speedups if sp])
                 rows.append([sol, f"{score:.2f}" if score and why is None else "-", f"{len(passed)}/{len(chosen)}",
                              why or "ranked"])

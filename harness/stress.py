@@ -1,16 +1,18 @@
 """python -m harness.stress --solution NAME [--examples N] [--seed S] [--device auto|cuda|cpu] [--batch-size B]
 [--record]: search the operator's grammar of degenerate inputs for inputs that a solution gets wrong.
 
-Each example is one call (B batch elements, each several programs) whose programs are drawn from the operator's
-PROGRAM_GRAMMAR (one option of every named axis per program; programs past the drawn list take the plainest option
-of every axis) and CALL_GRAMMAR, with a seed for the values (mixed with the search's salt, so that no call's
-inputs are known in advance). The solution runs in its sandboxed worker and is judged as `harness.run` judges it (same loader, runner, timeouts and judge). Hypothesis drives the search: it shrinks a
-failing example towards the fewest programs off their plainest options (it may leave plain programs before
-the one that fails: they are the same as the programs past the list), keeps failing examples in the project's
-.hypothesis/ and tries them first next time. Each distinct failure is printed as one line and written as a
-reproducer workload that `python -m harness.run --solution NAME --workloads FILE` replays. Exits 1 on any failure,
-2 on bad input. --record writes the outcome to <traces>/<definition>/stress_<NAME>.json for the leaderboard (traces:
-the project's traces/ unless --traces is given)."""
+Each example is one call, at a batch size drawn from the powers of two below --batch-size and itself, whose
+programs are drawn from the operator's PROGRAM_GRAMMAR (one option of every named axis per program; programs past
+the drawn list take the plainest option of every axis) and CALL_GRAMMAR, with a seed for the values (mixed with the
+search's salt, so that no call's inputs are known in advance). The solution runs in its sandboxed worker and is
+judged as `harness.run` judges it (same loader, runner, timeouts and judge). Hypothesis drives the search: it
+shrinks a failing example towards the smallest batch size and the fewest programs off their plainest options (it
+may leave plain programs before the one that fails: they are the same as the programs past the list), keeps
+failing examples in the project's .hypothesis/ and tries them first next time. Each distinct failure is printed as
+one line and written as a reproducer workload that `python -m harness.run --solution NAME --workloads FILE`
+replays. Exits 1 on any failure, 2 on bad input. --record writes the outcome to
+<traces>/<definition>/stress_<NAME>.json for the leaderboard (traces: the project's traces/ unless --traces is
+given)."""
 from __future__ import annotations
 
 import argparse
@@ -59,12 +61,19 @@ def failure_kind(kind: str) -> type:
     return _FAILURE_KINDS[kind]
 
 
-def examples(op, n_programs: int):
-    """Strategy of examples {"programs": [choices, ...], "call": choices, "seed": int}; the first option of each
-    axis is its plainest, which is what Hypothesis shrinks towards."""
+def batch_sizes(largest: int) -> list[int]:
+    """The batch sizes an example draws from: the powers of two below `largest`, and `largest`."""
+    return [1 << i for i in range(largest.bit_length()) if 1 << i < largest] + [largest]
+
+
+def examples(op, n_programs: int, sizes: list[int]):
+    """Strategy of examples {"batch_size": int, "programs": [choices, ...], "call": choices, "seed": int}; the first
+    option of each axis (and the smallest batch size) is its plainest, which is what Hypothesis shrinks towards.
+    The named programs are at most one sequence's (`n_programs`)."""
     program = st.fixed_dictionaries({axis: st.sampled_from(options) for axis, options in op.PROGRAM_GRAMMAR.items()})
     call = st.fixed_dictionaries({axis: st.sampled_from(options) for axis, options in op.CALL_GRAMMAR.items()})
-    return st.fixed_dictionaries({"programs": st.lists(program, min_size=1, max_size=n_programs), "call": call,
+    return st.fixed_dictionaries({"batch_size": st.sampled_from(sizes),
+                                  "programs": st.lists(program, min_size=1, max_size=n_programs), "call": call,
                                   "seed": st.integers(0, 2 ** 32 - 1)})
 
 
@@ -77,12 +86,13 @@ def params_of(op, example: dict) -> dict:
 
 
 def describe(op, example: dict, seed: int) -> str:
-    """One line: the programs off plain (by index; the others are plain), the call's choices, the values' seed."""
+    """One line: the programs off plain (by index; the others are plain), the call's choices, the batch size and
+    the values' seed."""
     params = params_of(op, example)
     programs = "; ".join(f"program {i}: " + " ".join(f"{a}={o}" for a, o in p.items())
                          for i, p in enumerate(params["programs"]) if p) or "every program plain"
     call = " ".join(f"{a}={o}" for a, o in params["call"].items()) or "plain"
-    return f"{programs} | call: {call} | seed {seed}"
+    return f"{programs} | call: {call} | batch_size {example['batch_size']} | seed {seed}"
 
 
 class Search:
@@ -93,10 +103,10 @@ class Search:
         self.defn, self.device, self.project, self.salt = defn, device, project, salt
         self.op = load_op(defn.op_type)
         self.sol = load_solution(solution, defn, solutions_root or project.solutions)
-        self.var_axes = {"batch_size": batch_size}
+        self.sizes = batch_sizes(batch_size)
         _, n_prefix = program_layout(defn)
         out = next(iter(defn.outputs.values()))
-        axes = defn.resolve_axes(self.var_axes)
+        axes = defn.resolve_axes({"batch_size": 1})
         self.n_programs = 1
         for a in out.shape[:n_prefix]:
             self.n_programs *= axes[a]
@@ -109,13 +119,13 @@ class Search:
         return int.from_bytes(digest, "little")
 
     def inputs(self, example: dict) -> dict:
-        return generate_tensors(self.defn, self.op.STRESS_FAMILY, self.var_axes, self.values_seed(example),
+        return generate_tensors(self.defn, self.op.STRESS_FAMILY, var_axes(example), self.values_seed(example),
                                 self.device, params_of(self.op, example))
 
     def check(self, example: dict) -> None:
         """Judge the solution on one example; raise the Failure of its kind when it is not PASSED."""
         self.calls += 1
-        status, log, verdict = judge_call(self.defn, self.op, self.worker, self.inputs(example), self.var_axes)
+        status, log, verdict = judge_call(self.defn, self.op, self.worker, self.inputs(example), var_axes(example))
         self.worker.fatal = None                # a timed-out or dead worker is restarted for the next example
         if status != PASSED:
             kind = (verdict.extra.get("failure") if verdict is not None else None) or status
@@ -131,7 +141,7 @@ class Search:
         configured = settings(max_examples=n_examples, deadline=None, database=(
             DirectoryBasedExampleDatabase(str(database)) if database else None), report_multiple_bugs=True,
             suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, print_blob=False)
-        test = configured(given(examples(self.op, self.n_programs))(self.check))
+        test = configured(given(examples(self.op, self.n_programs, self.sizes))(self.check))
         if seed is not None:                    # Hypothesis neither replays nor keeps examples in a seeded run
             test = hypothesis.seed(seed)(test)
         try:
@@ -156,11 +166,15 @@ class Search:
         blob = Path(folder).resolve() / f"{stem}.safetensors"
         if blob.is_relative_to(self.project.root):
             blob = blob.relative_to(self.project.root)
-        workload = write_workload(self.defn, self.op.STRESS_FAMILY, self.var_axes, seed,
+        workload = write_workload(self.defn, self.op.STRESS_FAMILY, var_axes(failure.example), seed,
                                   blob.as_posix(), params, root=self.project.root)
         path = folder / f"{stem}.jsonl"
         save_workloads(path, [workload])
         return path
+
+
+def var_axes(example: dict) -> dict:
+    return {"batch_size": example["batch_size"]}
 
 
 def search_salt(seed: int | None, database: Path | None) -> int:
@@ -202,7 +216,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the search's seed, to repeat a search exactly (default: random, after replaying the "
                         "failures that earlier searches kept in the project's .hypothesis/)")
     cli.add_device(p)
-    cli.add_batch_size(p, 1, help="sequences per example")
+    cli.add_batch_size(p, 1, help="the largest batch size an example draws (from the powers of two below it and "
+                                  "itself: a kernel must not be careful at one batch size alone)")
     cli.add_definition(p)
     cli.add_solutions_dir(p)
     cli.add_timeout(p)
@@ -238,8 +253,8 @@ def execute(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = search.sol.name
-    print(f"{name}: searching {args.examples} examples of {search.n_programs} programs (batch_size="
-          f"{args.batch_size}) on {device}, " + (f"seed {args.seed}" if args.seed is not None else "random seed"),
+    print(f"{name}: searching {args.examples} examples at batch sizes {', '.join(map(str, search.sizes))} on "
+          f"{device}, " + (f"seed {args.seed}" if args.seed is not None else "random seed"),
           flush=True)
     started = time.perf_counter()
     try:

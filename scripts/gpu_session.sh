@@ -33,7 +33,7 @@ for solution in "$@"; do
   # copied now as well as after the search, so that a call cut short during the search keeps the run's traces
   find traces stress_failures -type f -newer "$start" -exec cp --parents {} "$OUT/" \; 2>/dev/null
   if [ "${STRESS_EXAMPLES:-300}" != 0 ] && [ "$solution" != reference ]; then
-    python3 -m harness.stress --solution "$solution" --examples "${STRESS_EXAMPLES:-300}" --device cuda --record \
+    python3 -m harness.stress --solution "$solution" --examples "${STRESS_EXAMPLES:-300}" --batch-size 512 --device cuda --record \
       --no-database 2>&1 | tee -a "$OUT/run.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi

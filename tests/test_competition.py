@@ -64,10 +64,10 @@ def _trace(solution, uuid, status="PASSED", speedup=4.0, sha="abc"):
                                  "workload": {"uuid": uuid, "axes": {"batch_size": 64}, "inputs": {}}})
 
 
-def _stress(solution, failures=(), examples=300, hardware="GPU"):
+def _stress(solution, failures=(), examples=300, hardware="GPU", batch_size=512):
     return StressRecord.model_validate({
         "definition": "d", "solution": solution, "solution_sha256": "abc", "sandbox": "bwrap",
-        "environment": {"hardware": hardware, "libs": {}}, "examples": examples, "calls": 300, "batch_size": 1,
+        "environment": {"hardware": hardware, "libs": {}}, "examples": examples, "calls": 300, "batch_size": batch_size,
         "seed": None,
         "hypothesis": "6", "seconds": 1.0, "timestamp": "2026-12-06T00:00:00+00:00", "failures": list(failures)})
 
@@ -77,13 +77,14 @@ def test_the_ranking_ranks_only_solutions_through_every_gate():
     chosen = {"d": {"w1": None, "w2": None}}
     traces = [_trace(s, w, speedup=sp) for s, sp in (("fast", 9.0), ("slow", 4.0), ("broken", 20.0),
                                                        ("unsearched", 30.0), ("stale", 40.0), ("few", 50.0),
-                                                       ("on_cpu", 60.0)) for w in ("w1", "w2")]
+                                                       ("on_cpu", 60.0), ("small", 70.0)) for w in ("w1", "w2")]
     traces = [t for t in traces if not (t.solution == "broken" and t.workload.uuid == "w2")]
     traces += [_trace("broken", "w2", status="INCORRECT_NUMERICAL")]
-    current = {("d", s): "abc" for s in ("fast", "slow", "broken", "unsearched", "few", "on_cpu")} \
+    current = {("d", s): "abc" for s in ("fast", "slow", "broken", "unsearched", "few", "on_cpu", "small")} \
         | {("d", "stale"): "new"}
     stress = [_stress(s) for s in ("fast", "slow", "broken", "stale")]
-    stress += [_stress("few", examples=ranking.stress_examples - 1), _stress("on_cpu", hardware="CPU")]
+    stress += [_stress("few", examples=ranking.stress_examples - 1), _stress("on_cpu", hardware="CPU"),
+               _stress("small", batch_size=ranking.stress_batch_size // 2)]
     text, _ = report.build(traces, op, current, stress=stress, ranking=ranking, ranked=chosen)
     section = text.split("## Ranking")[1].split("\n## ")[0]
     rows = {cells[1]: cells for cells in ([c.strip() for c in r.strip("|").split("|")]
@@ -91,6 +92,8 @@ def test_the_ranking_ranks_only_solutions_through_every_gate():
             if cells[0] != "rank"}
     assert rows["fast"][:3] == ["1", "fast", "9.00"] and rows["slow"][:3] == ["2", "slow", "4.00"]
     assert rows["broken"][4] == "1 workload(s) not PASSED" and rows["stale"][4] == "sources older: re-run"
-    for vacuous in ("unsearched", "few", "on_cpu"):      # none, too short a search, or one anyone can make on a CPU
-        assert rows[vacuous][4] == "no clean stress record of its current sources (on a GPU, >= 300 examples)"
-    assert all(rows[s][0] == "-" for s in ("broken", "stale", "unsearched", "few", "on_cpu"))
+    # none, too short a search, one anyone can make on a CPU, or one at batch sizes the ranking does not reach
+    for vacuous in ("unsearched", "few", "on_cpu", "small"):
+        assert rows[vacuous][4] == ("no clean stress record of its current sources (on a GPU, >= 300 examples, "
+                                    "batch sizes up to 512)")
+    assert all(rows[s][0] == "-" for s in ("broken", "stale", "unsearched", "few", "on_cpu", "small"))

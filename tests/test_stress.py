@@ -72,6 +72,21 @@ def test_correct_solution_searches_clean_and_records(defn, tmp_path, capsys):
     assert not _reproducers(tmp_path, "exact")
 
 
+def test_a_kernel_careful_at_one_batch_size_alone_is_searched_at_the_others(defn, tmp_path, capsys):
+    """A crash on an empty checkpoint at batch sizes above 1 only: a search at B = 1 alone misses it; drawing the
+    batch size up to --batch-size finds it, shrunk to the smallest batch size that fails."""
+    code = ("from flush import run as flush\n\n"
+            "def run(codes, s_k, *rest):\n"
+            "    if codes.shape[0] > 1 and (s_k.amax(-1) < 1e-6).any():\n"
+            "        raise ValueError('empty checkpoint')\n"
+            "    return flush(codes, s_k, *rest)\n")
+    make_solution(tmp_path / "solutions", "dodger", code)
+    assert _search(tmp_path, "dodger", "--seed", "3", "--examples", "30") == 0
+    assert _search(tmp_path, "dodger", "--seed", "3", "--examples", "30", "--batch-size", "4") == 1
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("FAILED")]
+    assert "ValueError: empty checkpoint" in line and "| batch_size 2 |" in line, line
+
+
 SEARCH_SPOTTER = """
 import torch
 
