@@ -4,6 +4,7 @@ solution's sandboxed worker and judges the state the last call of each case left
 interpreter, B = 1), planted pools that write a wrong checkpoint, touch a sequence that is not due, skip the window
 reset or change a counter fail. GPU only: the timed benchmark of the committed pools, record included."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -182,8 +183,12 @@ def test_gpu_benchmark_writes_its_record(name, tmp_path, defn, capsys):
 def test_a_time_below_the_floor_is_refused(tmp_project, capsys):
     """The deployment form's times are its worker's own: one that claims less than 0.9x the memory floor is refused
     in the record and the exit code."""
-    plant(tmp_project.solutions, "forger", {})
-    with open(tmp_project.solutions / "forger" / "pool.py", "a") as f:
+    # triton_v1's deployment form (capturable, unlike POOL's masked indexing), its median forged in the worker
+    folder = tmp_project.solutions / "forger"
+    shutil.copytree(PROJECT.solutions / "triton_v1", folder, ignore=shutil.ignore_patterns("tools", "*.md"))
+    raw = json.loads((folder / "solution.json").read_text())
+    (folder / "solution.json").write_text(json.dumps({**raw, "name": "forger"}))
+    with open(folder / "pool.py", "a") as f:
         f.write("\n\nimport harness.deploy as _deploy\n_run_case = _deploy.run_case\n"
                 "_deploy.run_case = lambda *a: (1e-6,) + _run_case(*a)[1:]\n")
     code = deploy_bench.main(["--solution", "forger", "--batch-sizes", "16", "--project", str(tmp_project.root)])
