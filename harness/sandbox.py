@@ -161,19 +161,16 @@ def _private_masks(folder: Path) -> tuple[str, ...]:
     be readable, and one message carries them into the run's table and the traces."""
     masks: list[str] = []
     for top, dirs, files in os.walk(folder):
-        for name in list(dirs):
-            path = os.path.join(top, name)
-            info = os.lstat(path)
-            if stat.S_ISDIR(info.st_mode) and (info.st_mode & 0o005) != 0o005:
-                masks += ["--size", str(1 << 20), "--tmpfs", path]
-                dirs.remove(name)
-        for name in files:
+        for name in [*dirs, *files]:
             path = os.path.join(top, name)
             try:
-                info = os.lstat(path)
+                mode = os.lstat(path).st_mode
             except OSError:
                 continue
-            if stat.S_ISREG(info.st_mode) and not info.st_mode & 0o004:
+            if stat.S_ISDIR(mode) and mode & 0o005 != 0o005:
+                masks += ["--size", str(1 << 20), "--tmpfs", path]
+                dirs.remove(name)               # nothing under it is seen: no need to look
+            elif stat.S_ISREG(mode) and not mode & 0o004:
                 masks += ["--ro-bind", os.devnull, path]
     return tuple(masks)
 

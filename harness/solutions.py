@@ -8,10 +8,12 @@ import re
 import shutil
 import sys
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
 import torch
+from packaging.requirements import InvalidRequirement, Requirement
 
 from harness import HarnessError, sandbox
 from harness.definition import Definition
@@ -66,8 +68,6 @@ def unmet_needs(sol: Solution, device: str) -> str | None:
     solution with this reason rather than judging it a failure."""
     if sol.language == "cuda" and device == "cpu":
         return "a CUDA solution needs a GPU"
-    from importlib import metadata
-    from packaging.requirements import InvalidRequirement, Requirement
     for text in sol.dependencies:
         try:
             need = Requirement(text)

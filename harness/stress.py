@@ -266,12 +266,11 @@ def execute(args: argparse.Namespace) -> int:
     rows = []
     for f in failures:
         path = search.reproducer(f, Path(args.out or project.stress_failures) / name)
-        print(f"FAILED {f.status}: {' '.join(f.log.split())[:200]} | "
-              f"{describe(search.op, f.example, search.values_seed(f.example))} | "
+        seed = search.values_seed(f.example)
+        print(f"FAILED {f.status}: {' '.join(f.log.split())[:200]} | {describe(search.op, f.example, seed)} | "
               f"replay: python -m harness.run --solution {name} --workloads {path}", flush=True)
         rows.append({"status": f.status, "log": f.log, search.op.WORDING.score_key: f.score,
-                     "params": params_of(search.op, f.example), "seed": search.values_seed(f.example),
-                     "reproducer": str(path)})
+                     "params": params_of(search.op, f.example), "seed": seed, "reproducer": str(path)})
     print(f"{name}: {len(failures)} distinct failure(s) in {search.calls} calls ({args.examples} examples and "
           f"shrinking), {seconds:.0f} s", flush=True)
     if args.record:
