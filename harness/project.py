@@ -142,7 +142,7 @@ class Settings:
     timed_programs: int = 1 << 17       # ... and otherwise enough to run this many programs (and loop time for the
                                         # clock check)
     pool_programs: int = 2048           # the fewest programs a fresh pool holds: small batches draw from a larger one
-    calibration_repeats: int = 3        # timed loops of the null worker per shape (their median is the overhead)
+    calibration_repeats: int = 3        # timed null loops per shape (their median is the overhead)
     replay_warmup: int = 5              # the deployment benchmark: untimed replays, then ...
     replay_calls: int = 50              # ... timed replays, of which the median is taken
     bandwidth: float | None = None      # bytes/s that price the memory floor; None: measured once per run

@@ -248,8 +248,7 @@ def execute(args: argparse.Namespace) -> int:
     local = args.ray is None
     if timed and settings.bandwidth is None and local:
         settings = settings.replace(bandwidth=timing.copy_bandwidth(device))
-    hidden = [root, project.root]
-    calibrations = [Calibration(defn, device, settings, hidden, gpu) if timed and local else None for gpu in slots]
+    calibrations = [Calibration(defn, device, settings, gpu) if timed and local else None for gpu in slots]
     results: list[Result] = []
     unwritten: list[str] = []
     for sol in solutions:
@@ -280,9 +279,6 @@ def execute(args: argparse.Namespace) -> int:
                 print(f"{cli.cell(sol.name)}: traces not written: {e}", flush=True)
                 unwritten.append(sol.name)
         results += done
-    for calibration in calibrations:
-        if calibration is not None:
-            calibration.close()
     for name, log in unloadable:
         print(f"{cli.cell(name)}: {COMPILE_ERROR}: {log}", flush=True)
     print()

@@ -28,7 +28,7 @@ from harness.definition import Definition
 from harness.ops import Verdict, load_op
 from harness.project import Settings
 from harness.records import EvaluationStatus
-from harness.solutions import Solution, null_solution
+from harness.solutions import Solution, load_entry, null_solution
 from harness.workloads import Workload, generate_tensors, load_inputs
 
 PASSED = EvaluationStatus.PASSED
@@ -72,11 +72,9 @@ def _one_line(text, limit: int = 500) -> str:
 
 
 def home_name(sol: Solution) -> str:
-    """The name of a solution's home (its build cache, one per sources hash): the harness's own solutions ("<null>")
-    get names no solution's can be ("_null"); a folder's is named after the folder too, so that a same-named
-    solution elsewhere (another project on this machine) neither shares nor prunes it."""
-    if sol.name.startswith("<"):
-        return f"_{sol.name.strip('<>')}"
+    """The name of a solution's home (its build cache, one per sources hash): a folder's is named after the folder
+    too, so that a same-named solution elsewhere (another project on this machine) neither shares nor prunes it, nor
+    the reference's (no folder, its bare name)."""
     if sol.folder is None:
         return sol.name
     return f"{sol.name}@{hashlib.sha256(str(sol.folder.resolve()).encode()).hexdigest()[:8]}"
@@ -319,48 +317,65 @@ class Programs:
 
 
 class Calibration:
-    """The timed loop run by the harness's own null worker (a solution that does nothing), per shape: its wall time
-    is the loop's overhead, which the clock check subtracts. Measured before the solution's worker starts, so that
-    no solution process exists to slow it down."""
+    """The timed loop with the harness's own null call (outputs written, no flush), run per shape in this process
+    (trusted code, nothing of a solution's in it): its wall time is the loop's overhead, which the clock check
+    subtracts. A null loop in a sandboxed worker of its own ran ~21 us a call shorter than the same loop measured in
+    a plain process, and shorter than a solution's loop less the difference of the calls, so it let that much a call
+    of a solution's time go unchecked; this process's null loop is at least as long as the sandboxed solutions'
+    loops less their calls', which errs only towards refusing work moved out of the events. Measured before the
+    solution's worker starts, so that no solution process exists to slow it down."""
 
-    def __init__(self, defn: Definition, device: str, settings: Settings, hide: list[Path], gpu: int | None = None):
-        self.defn, self.device, self.settings, self.hide, self.gpu = defn, device, settings, hide, gpu
+    def __init__(self, defn: Definition, device: str, settings: Settings, gpu: int | None = None):
+        self.defn, self.device, self.settings, self.gpu = defn, device, settings, gpu
         self.walls: dict[tuple, tuple[float, float]] = {}
         self.loops: dict[tuple, object] = {}
-        self.worker: Worker | None = None
+        self.null = load_entry(null_solution(defn), defn)
 
     def measure(self, op, pristine: dict, axes: dict, batched, n_prefix: int, n_calls: int,
                 pool_programs: int) -> None:
         key = _key(axes, n_calls, pool_programs)
-        if self.worker is None:
-            self.worker = Worker(null_solution(self.defn), self.defn, self.device, self.settings.timeout_s,
-                                 self.hide, self.gpu)
+        device = next(iter(pristine.values())).device
         n_programs = math.prod(pristine[batched[0]].shape[:n_prefix])
-        rows = torch.arange(pool_programs, device=next(iter(pristine.values())).device) % n_programs
+        rows = torch.arange(pool_programs, device=device) % n_programs
         pool = {k: (timing.flat_programs(v, n_prefix).index_select(0, rows).reshape(-1, *v.shape[1:])
                     if k in batched else v)
                 for k, v in pristine.items()}
-        walls, calls = [], []
-        for _ in range(self.settings.calibration_repeats):
-            m = _timed_measure(self.defn, self.worker, pristine, pool, axes, batched, n_prefix, n_calls,
-                               self.settings.warmup_replays)
-            if m.outputs is not None:
-                m.outputs.close()
-            latencies = _times(m.reply.get("latencies_ms"), n_calls) if m.status == "ok" else None
-            if latencies is None:
-                raise HarnessError(f"the null worker failed its timed loop: {m.reply}")
-            self.loops[key] = _times(m.reply.get("loop_ms"), 2)
-            walls.append(m.wall_ms)
-            calls.append(statistics.median(latencies))
+        specs = output_specs(self.defn, axes)
+        output_bytes = n_calls * shared.layout(specs)[1]
+        lent = shared.Lent(output_bytes, device)       # the memory kind a worker's slots are
+        loop, threads = None, torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(1)    # as a CPU worker runs (harness.worker)
+        try:
+            loop = timing.TimedLoop(self.null, pristine, axes, list(batched), n_prefix, n_calls, op,
+                                    self.settings.warmup_replays, shared.views(lent.tensor, specs, n_calls))
+            loop.load_pool(pool)
+            walls, calls = [], []
+            for _ in range(self.settings.calibration_repeats):
+                gc.collect()
+                gc.disable()            # as the solution's worker runs its loop, and as the harness's clock does
+                try:
+                    t0 = time.perf_counter()
+                    latencies = loop.run(int.from_bytes(os.urandom(7), "little"))
+                    _sample_words(lent, output_bytes)       # as the solution's clock ends (_timed_measure)
+                    walls.append((time.perf_counter() - t0) * 1e3)
+                finally:
+                    gc.enable()
+                calls.append(statistics.median(latencies))
+            self.loops[key] = list(loop.loop_ms)
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            raise HarnessError(f"the harness's null loop failed: {_one_line(e, 200)}") from None
+        finally:
+            del loop
+            lent.close()
+            torch.set_num_threads(threads)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         self.walls[key] = statistics.median(walls), statistics.median(calls)
 
     def null_loop(self, axes: dict, n_calls: int, pool_programs: int) -> tuple[float, float]:
-        """(wall time of the null worker's loop, median of its calls), in ms."""
+        """(wall time of the null loop, median of its calls), in ms."""
         return self.walls[_key(axes, n_calls, pool_programs)]
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
 
 
 def _key(axes: dict, n_calls: int, pool_programs: int) -> tuple:
@@ -370,8 +385,8 @@ def _key(axes: dict, n_calls: int, pool_programs: int) -> tuple:
 @dataclass
 class Measurement:
     """One timed loop: the time_run reply's header (or a one-line log when not "ok"), the schedule seed sent, the
-    harness's wall time from sending it to the reply, and the lent memory holding every timed call's outputs (the
-    caller reads, then closes it)."""
+    harness's wall time from sending it to the first read of the outputs after the reply, and the lent memory
+    holding every timed call's outputs (the caller reads, then closes it)."""
     status: str
     reply: dict | str
     seed: int | None = None
@@ -386,10 +401,11 @@ def output_specs(defn: Definition, axes: dict) -> list[tuple[torch.dtype, tuple[
 def _timed_measure(defn: Definition, worker: Worker, warm: dict, pool: dict, axes: dict, batched, n_prefix: int,
                    n_calls: int, warmup_replays: int) -> Measurement:
     """One timed loop in the worker (harness.timing): capture on `warm`, lend it the memory for the outputs of the
-    n_calls timed calls, send the pool, then the schedule seed alone, timed by the wall clock until the reply. The
-    worker is killed the moment it replies (whatever it replied), and the outputs are read only once it is gone. Work
-    it left running past its reply (GPU kernels outlive the process until the driver tears its context down) would
-    write outputs outside the clock: words at random places, read at the reply and again then, show it."""
+    n_calls timed calls, send the pool, then the schedule seed alone, timed by the wall clock until the reply and a
+    read of words of the outputs at random places. The worker is killed the moment it replies (whatever it replied),
+    and the outputs are judged only once it is gone. Work it left running past its reply (GPU kernels outlive the
+    process until the driver tears its context down) lands either before that read (inside the clock) or after it
+    (the same words, read again once the worker is gone, show it)."""
     specs = output_specs(defn, axes)
     device = next(iter(pool.values())).device
     output_bytes = n_calls * shared.layout(specs)[1]
@@ -410,9 +426,11 @@ def _timed_measure(defn: Definition, worker: Worker, warm: dict, pool: dict, axe
             try:
                 t0 = time.perf_counter()
                 status, reply, _ = worker.request({"op": "time_run", "seed": seed}, None, "timing", 0)
-                wall_ms = (time.perf_counter() - t0) * 1e3
                 if status == "ok":
+                    # read inside the clock: GPU work the worker left queued at its reply that lands before this
+                    # read is charged to it, and work that lands after it changes the words read again below
                     probe = _sample_words(lent, output_bytes)
+                wall_ms = (time.perf_counter() - t0) * 1e3
             finally:
                 gc.enable()
     finally:
@@ -476,9 +494,8 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
     run_seed = int.from_bytes(os.urandom(7), "little") if run_seed is None else run_seed
     op = load_op(defn.op_type)
     hide = [Path(root).resolve(), *(Path(h).resolve() for h in hide)]
-    own_calibration = timed and calibration is None
-    if own_calibration:
-        calibration = Calibration(defn, device, settings, hide, gpu)
+    if timed and calibration is None:
+        calibration = Calibration(defn, device, settings, gpu)
     worker = Worker(sol, defn, device, settings.timeout_s, hide, gpu)
     where = device if gpu is None else f"{device}:{gpu}"
     results, stopped = [], None
@@ -509,8 +526,6 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
             on_result(result)
     finally:
         worker.close()
-        if own_calibration:
-            calibration.close()
     return results
 
 

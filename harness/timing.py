@@ -14,11 +14,12 @@ Where each piece runs, and why a solution cannot bend the figure:
   events.
 - In the harness (trusted): the seeds; the memory every timed call's outputs are kept in (lent to the worker,
   harness.shared); the judge, which checks the outputs of *every* timed call in full; and a wall clock around the
-  whole loop, from sending the seed to receiving the reply. The harness kills the worker as soon as the reply
-  arrives and only then reads the outputs, so the work that produced them happened before the reply. The
-  harness's own null worker (a solution that only writes its outputs) runs the same loop first to measure its
-  overhead. Whatever the solution's process does to produce correct outputs (inside the events, outside them, in a
-  hook it patched, all in the first call) falls between sending and reply, so the wall time less the null loop's,
+  whole loop, from sending the seed to the reply and a first read of words of the outputs. The harness kills the
+  worker as soon as the reply arrives and judges the outputs only once it is gone (the words read again then must
+  not have changed), so the work that produced them happened inside the clock. The harness runs the same loop
+  first in its own process with a null call (outputs written, no flush) to measure its overhead. Whatever the
+  solution's process does to produce correct outputs (inside the events, outside them, in a hook it patched, all
+  in the first call) falls inside the clock, so the wall time less the null loop's,
   plus the null call's own median, bounds the time per call; a median more than CLOCK_TOLERANCE below that bound is
   refused (`clock_disagreement`).
 
@@ -41,10 +42,11 @@ INPUT_SETS = 4
 # every committed trace's honest loop clears these by 9 us a call or more (tests/test_timing.py checks them all)
 CLOCK_TOLERANCE = 0.05          # the median may fall this far below the mean the harness's clock allows ...
 CLOCK_SLACK_MS = 0.5            # ... after this much of the loop's wall time is set aside as noise
-# ... and this much a call: honest loops run 13-19 us a call longer than the null worker's loop plus the difference of
-# the calls (H100, H200, any batch size). Timed in one process with events around each step, a loop is preparation +
-# call for the null and for kernels alike; it is the null worker's own loop that runs ~21 us a call short of that
-# (H100), cause not yet isolated
+# ... and this much a call. It was set against a null loop run in a sandboxed worker, which ran ~21 us a call shorter
+# than the same loop in a plain process (H100), so honest loops ran 13-19 us a call longer than it plus the difference
+# of the calls (H100, H200, any batch size). The null loop now runs in the harness's process (runner.Calibration),
+# where an honest loop is within a few us of it plus the difference of the calls: this allowance can shrink to what
+# a GPU run of every solution against that null loop shows.
 CLOCK_SLACK_PER_CALL_MS = 0.030
 IMPOSSIBLE_FRACTION = 0.9       # a median below this fraction of the memory floor cannot be real
 

@@ -22,7 +22,7 @@ import torch
 from harness import deploy, one_line, shared, timing, wire
 from harness.definition import parse_definition
 from harness.ops import load_op
-from harness.solutions import NULL, REFERENCE, Solution, load_entry, load_module, null_solution, reference_solution
+from harness.solutions import REFERENCE, Solution, load_entry, load_module, reference_solution
 
 WAIT_FOREVER = 1e9
 
@@ -56,8 +56,6 @@ def _load(msg: dict, defn) -> Solution:
     spec = msg["solution"]
     if spec["name"] == REFERENCE:
         return reference_solution(defn)
-    if spec["name"] == NULL:
-        return null_solution(defn)
     return Solution(spec["name"], defn.name, "", spec["language"], spec["entry_file"], spec["entry_function"],
                     spec["destination_passing_style"], sources=tuple(spec["sources"]),
                     folder=Path(msg["solution_dir"]))

@@ -21,8 +21,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 HONEST = "from flush import run as flush\n\n\ndef run(*x):\n    return flush(*x)\n"
 
-# Each finds the harness's TimedLoop by walking up its callers' frames, as an attacker reading the harness's
-# source would.
+# Each finds the harness's TimedLoop (and the timed call's number) by walking up its callers' frames, as an attacker
+# reading the harness's source would.
 FIND_LOOP = """
 import sys
 from flush import run as flush
@@ -36,6 +36,13 @@ def _loop():
             return candidate
         frame = frame.f_back
     return None
+
+
+def _call_number():
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "run" and "k" in frame.f_locals):
+        frame = frame.f_back
+    return frame.f_locals["k"] if frame is not None else None
 """
 
 # Timed calls that return nothing useful; when the timed loop replies, `start` sets _fill_late(self) going, which
@@ -114,13 +121,6 @@ from harness.timing import call_inputs
 _answers = []
 
 
-def _call_number():
-    frame = sys._getframe(1)
-    while frame is not None and not (frame.f_code.co_name == "run" and "k" in frame.f_locals):
-        frame = frame.f_back
-    return frame.f_locals["k"] if frame is not None else None
-
-
 def run(*x):
     loop, k = _loop(), _call_number()
     if loop is None or k is None or not hasattr(loop, "index"):
@@ -129,6 +129,34 @@ def run(*x):
         _answers[:] = [flush(*call_inputs(loop.op, loop.pool, loop.batched, loop.unit, loop.index, loop.variants,
                                           j).values()) for j in range(loop.n_calls)]
     return tuple(t.clone() for t in _answers[k])
+""",
+    # every program of the pool flushed once as it arrives (before the clock starts); each timed call then applies
+    # its schedule's signed permutation to those outputs: a gather, no flush, at a small fraction of the time
+    "undoes_symmetry": FIND_LOOP + """
+import harness.timing as timing
+_load_pool = timing.TimedLoop.load_pool
+
+
+def _load_pool_and_flush(self, pool):
+    _load_pool(self, pool)
+    heads = self.unit[-1]
+    x = {k: v.reshape(-1, heads, *v.shape[1:]) if k in self.batched else v for k, v in self.pool.items()}
+    self.flushed = [t.reshape(-1, *t.shape[2:]) for t in flush(*x.values())]
+
+
+timing.TimedLoop.load_pool = _load_pool_and_flush
+
+
+def run(*x):
+    loop, k = _loop(), _call_number()
+    if loop is None or k is None or not hasattr(loop, "flushed"):
+        return flush(*x)
+    pv, pk, sv, sk = (loop.variants[n][k] for n in ("perm_v", "perm_k", "sign_v", "sign_k"))
+    codes, s_k, s_v, u, q = (t.index_select(0, loop.index[k]) for t in loop.flushed)
+    codes = codes.index_select(-2, pv).index_select(-1, pk) * (sv[:, None] * sk[None, :])
+    out = (codes, s_k.index_select(-1, pk), s_v.index_select(-1, pv), u.index_select(-1, pk) * sk.to(u.dtype),
+           q.index_select(-1, pv) * sv.to(q.dtype))
+    return tuple(t.reshape(*loop.unit, *t.shape[1:]) for t in out)
 """,
     # a clock that reads zero
     "forges_clock": """
@@ -269,24 +297,33 @@ def test_honest_solution_passes_the_cpu_timed_path(defn, tmp_path, cpu_timing):
     assert r.latency_ms > 0 and r.clock["timed_calls"] == 12 and r.fresh_seed is not None
 
 
-@pytest.mark.parametrize("cheat, status, messages", [
-    ("poison_hook", runner.RUNTIME_ERROR, ("outside the timed region",)),
-    ("front_loads", runner.RUNTIME_ERROR, ("outside the timed region",)),
-    ("forges_clock", runner.RUNTIME_ERROR, ("outside the timed region",)),
-    ("replays_by_buffer", runner.INCORRECT_NUMERICAL, ("timed calls", "fresh inputs")),
-    ("late_outputs", runner.INCORRECT_NUMERICAL, ("timed calls",)),
-    ("late_outputs_from_a_child", runner.INCORRECT_NUMERICAL, ("timed calls",)),
-    ("junk_loop_clock", runner.RUNTIME_ERROR, ("no valid latencies",)),
-])
-def test_timing_attack_loses_on_cpu(defn, tmp_path, cpu_timing, cheat, status, messages):
-    [r] = _timed_on_cpu(defn, tmp_path, cheat, CHEATS[cheat], cpu_timing)
-    assert r.status == status and any(m in r.log for m in messages), (r.status, r.log)
+OUTSIDE_EVENTS = {runner.RUNTIME_ERROR: ("outside the timed region",)}
+# work that outlives the reply: unwritten outputs judged, or the words the harness reads twice caught changing (which
+# of the two depends on how far the late work got before the kill)
+LATE = {runner.INCORRECT_NUMERICAL: ("timed calls",), runner.RUNTIME_ERROR: ("changed after its reply",)}
 
+
+@pytest.mark.parametrize("cheat, outcomes", [
+    ("poison_hook", OUTSIDE_EVENTS),
+    ("front_loads", OUTSIDE_EVENTS),
+    ("forges_clock", OUTSIDE_EVENTS),
+    ("replays_by_buffer", {runner.INCORRECT_NUMERICAL: ("timed calls", "fresh inputs")}),
+    # the symmetry keeps q0 fixed, so a permuted output of the untransformed program is worse than the reference's
+    # on ~40% of heads (and not on any head for a real flush)
+    ("undoes_symmetry", {runner.INCORRECT_NUMERICAL: ("timed calls",)}),
+    ("late_outputs", LATE),
+    ("late_outputs_from_a_child", LATE),
+    ("junk_loop_clock", {runner.RUNTIME_ERROR: ("no valid latencies",)}),
+])
+def test_timing_attack_loses_on_cpu(defn, tmp_path, cpu_timing, cheat, outcomes):
+    [r] = _timed_on_cpu(defn, tmp_path, cheat, CHEATS[cheat], cpu_timing)
+    assert r.status in outcomes and any(m in r.log for m in outcomes[r.status]), (r.status, r.log)
 
 
 def test_a_solution_named_null_is_timed_like_any_other(defn, tmp_path, cpu_timing, monkeypatch):
-    """The harness's null worker keeps a home that no solution's name can give: a solution called `null` once
-    deleted it as a stale home of its own, and the next null worker's sandbox did not start."""
+    """A solution called `null` shares nothing with the harness's null loop (which runs in the harness's process,
+    with no home): when that loop ran in a sandboxed worker, such a solution deleted the worker's home as a stale home
+    of its own, and the next null worker's sandbox did not start."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     [first] = _timed_on_cpu(defn, tmp_path / "a", "honest", HONEST, cpu_timing)
     [named] = _timed_on_cpu(defn, tmp_path / "b", "null", HONEST, cpu_timing)
