@@ -5,10 +5,12 @@ Where each piece runs, and why a solution cannot bend the figure:
 - In the solution's worker (the only place its CUDA graph can be replayed; untrusted, since the solution shares the
   process): `TimedLoop`. Warm-up and capture happen first, on the workload's committed inputs, into INPUT_SETS input
   sets with one graph each. Then the harness sends a *pool* of fresh programs (drawn from a seed that exists only in
-  this run) and, last, only the seed of the *schedule* (`draw_calls`): which pool programs every timed call takes,
-  and under which of the operator's symmetries (for this operator a signed permutation of the value and of the key
-  axis, exact in every dtype, which maps the state S to D_v P_v S P_k D_k and changes every output). So no timed
-  call holds a program that existed before its seed arrived: nothing can be looked up or computed ahead. Call k
+  this run) and, last, only the seed of the *schedule* (`draw_calls`): which pool programs every timed program
+  takes its parts from (the operator's PROGRAM_PARTS, each from a pool program of its own: for this operator the
+  checkpoint from one, the window from another), and under which of the operator's symmetries (for this operator a
+  signed permutation of the value and of the key axis, exact in every dtype, which maps the state S to
+  D_v P_v S P_k D_k and changes every output). So no timed call holds a program that existed before its seed
+  arrived: nothing can be looked up, and nothing that needs two parts computed, ahead. Call k
   replays a captured preparation (keep call k - 1's outputs, refill the input set, poison the outputs with NaN or
   the integer minimum, flush the L2 with a write twice its size), then the solution's graph between two CUDA
   events.
@@ -44,9 +46,10 @@ CLOCK_TOLERANCE = 0.05          # the median may fall this far below the mean th
 CLOCK_SLACK_MS = 0.5            # ... after this much of the loop's wall time is set aside as noise
 # ... and this much a call. It was set against a null loop run in a sandboxed worker, which ran ~21 us a call shorter
 # than the same loop in a plain process (H100), so honest loops ran 13-19 us a call longer than it plus the difference
-# of the calls (H100, H200, any batch size). The null loop now runs in the harness's process (runner.Calibration),
-# where an honest loop is within a few us of it plus the difference of the calls: this allowance can shrink to what
-# a GPU run of every solution against that null loop shows.
+# of the calls (H100, H200, any batch size). Against the null loop in the harness's process (runner.Calibration),
+# honest loops ran 3.1 / 18.8 / 42.5 us a call longer than it plus the difference of the calls at B = 1 / 64 / 512
+# (cuda_v1, H100; triton_v1 1.6 / 12.6 / 29.5), which the tolerance and CLOCK_SLACK_MS leave ~6 us a call of at most:
+# this allowance can shrink towards that once the H200 shows the same.
 CLOCK_SLACK_PER_CALL_MS = 0.030
 IMPOSSIBLE_FRACTION = 0.9       # a median below this fraction of the memory floor cannot be real
 
@@ -58,22 +61,35 @@ class NotCapturable(Exception):
 def draw_calls(n_calls: int, n_programs: int, pool_programs: int, seed: int, op, axes: dict,
                device="cpu") -> tuple[torch.Tensor, dict]:
     """What the timed calls run on, as a pure function of its arguments on one device and torch build (so that the
-    harness sends only the seed into the timed region and judges with its own copy): int64 [n_calls, n_programs],
-    the pool program each program slot of call k takes (no repeats within a call), and the parameters of the
-    operator's symmetry (`draw_variants` / `apply_variant`) applied to each call."""
+    harness sends only the seed into the timed region and judges with its own copy): int64 [n_calls, parts,
+    n_programs], the pool program each of the operator's PROGRAM_PARTS of each program slot of call k takes (no
+    repeats within a call and part), and the parameters of the operator's symmetry (`draw_variants` /
+    `apply_variant`) applied to each call."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    keys = torch.rand(n_calls, pool_programs, generator=gen, device=device)
-    index = torch.argsort(keys, dim=-1, stable=True)[:, :n_programs]
+    keys = torch.rand(n_calls, len(op.PROGRAM_PARTS), pool_programs, generator=gen, device=device)
+    index = torch.argsort(keys, dim=-1, stable=True)[..., :n_programs]
     variants = op.draw_variants(n_calls, axes, gen)
     return index, variants
 
 
 def call_inputs(op, pool: dict, batched, unit: tuple, index: torch.Tensor, variants: dict, k: int) -> dict:
-    """The inputs of timed call k: programs index[k] of the pool (batched inputs flattened over the program axes),
-    in the shape `unit` of the program axes, under the operator's symmetry k."""
-    x = {name: (v.index_select(0, index[k]).reshape(*unit, *v.shape[1:]) if name in batched else v)
+    """The inputs of timed call k: each batched input (flattened over the program axes in the pool) from the pool
+    programs index[k, part] of its part, in the shape `unit` of the program axes, under the operator's symmetry k."""
+    part = program_parts(op, batched)
+    x = {name: (v.index_select(0, index[k, part[name]]).reshape(*unit, *v.shape[1:]) if name in batched else v)
          for name, v in pool.items()}
     return op.apply_variant(x, {n: p[k] for n, p in variants.items()})
+
+
+def program_parts(op, batched) -> dict[str, int]:
+    """Each batched input's part (its group's place in op.PROGRAM_PARTS); ValueError unless every one is in exactly
+    one group."""
+    part = {name: i for i, group in enumerate(op.PROGRAM_PARTS) for name in group}
+    grouped = [name for group in op.PROGRAM_PARTS for name in group]
+    if sorted(grouped) != sorted(batched):
+        raise ValueError(f"the operator's PROGRAM_PARTS group {sorted(grouped)}, not the batched inputs "
+                         f"{sorted(batched)} each once")
+    return part
 
 
 def poison(outputs) -> None:

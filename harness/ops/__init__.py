@@ -67,6 +67,11 @@ class Operator(Protocol):
         other, equivalent forms). A failed verdict may name the failing program's index over the program axes as
         extra["program"] (the timer then keeps that batch element's inputs)."""
 
+    # harness.timing: the batched inputs in groups (every one in exactly one) that each timed program takes from pool
+    # programs drawn apart, one per group: work that depends on one group alone cannot be done on the pool before the
+    # schedule is known, since the groups meet only in the timed call
+    PROGRAM_PARTS: tuple[tuple[str, ...], ...]
+
     def draw_variants(self, n: int, axes: dict, generator: Any) -> dict:
         """harness.timing: the parameters of n symmetries, one per timed call, drawn from generator."""
 

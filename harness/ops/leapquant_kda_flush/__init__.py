@@ -18,8 +18,8 @@ from harness.ops.leapquant_kda_flush.drift import DRIFT_LIMIT, drift
 from harness.ops.leapquant_kda_flush.exact import decay_history, decode_checkpoint, exact_state
 from harness.ops.leapquant_kda_flush.families import (CALL_GRAMMAR, EDGE_KINDS, FAMILIES, FAMILY_BATCH_SIZES,
                                                       PROGRAM_GRAMMAR, STRESS_FAMILY, edge_kinds, make_inputs)
-from harness.ops.leapquant_kda_flush.layout import (CHECKPOINT, DTYPES, DUE_EVERY, EPS, POOL_CALL_ARGS, QMAX, WINDOW,
-                                                    WINDOW_RESET)
+from harness.ops.leapquant_kda_flush.layout import (CHECKPOINT, DTYPES, DUE_EVERY, EPS, POOL_CALL_ARGS, PROGRAM_PARTS,
+                                                    QMAX, WINDOW, WINDOW_RESET)
 from harness.ops.leapquant_kda_flush.pool import (CHECKPOINT_BYTES, POOL_HEADER, POOL_OFFSETS, POOL_REGION,
                                                   POOL_REGIONS_PER_SLOT, Pool, check_idx)
 from harness.ops.leapquant_kda_flush.symmetries import apply_variant, draw_variants

@@ -8,6 +8,9 @@ QMAX = 127.0
 EPS = 1e-12
 CHECKPOINT = ("codes", "s_k", "s_v", "u", "q")
 WINDOW = ("kbuf", "ubuf", "gbuf", "w", "pcum")
+# the timer's fresh programs mix a checkpoint and a window of different pool programs: the state they rebuild (which
+# needs no q0, and so follows the symmetries exactly) exists only once the schedule says which two meet
+PROGRAM_PARTS = (CHECKPOINT, WINDOW)
 WINDOW_RESET = {"w": 0.0, "pcum": 0.0, "gbuf": 1.0}    # what the deployment form writes after a flush
 DUE_EVERY = "window"                                  # a sequence flushes when its window is full
 POOL_CALL_ARGS = ("q0",)                              # flush_inplace(pool, idx, q0): q0 is shared, not pooled
