@@ -5,7 +5,9 @@ Each example is one call, at a batch size drawn from the powers of two below --b
 programs are drawn from the operator's PROGRAM_GRAMMAR (one option of every named axis per program; programs past
 the drawn list take the plainest option of every axis) and CALL_GRAMMAR, with a seed for the values (mixed with the
 search's salt, so that no call's inputs are known in advance). The solution runs in its sandboxed worker and is
-judged as `harness.run` judges it (same loader, runner, timeouts and judge). Hypothesis drives the search: it
+judged as `harness.run` judges it (same loader, runner, timeouts and judge); before the first example and at
+random between others it is also shown a committed workload at B = 1, as a run shows it first, so that it cannot
+tell the search from a run by whether it has seen committed inputs. Hypothesis drives the search: it
 shrinks a failing example towards the smallest batch size and the fewest programs off their plainest options (it
 may leave plain programs before the one that fails: they are the same as the programs past the list), keeps
 failing examples in the project's .hypothesis/ and tries them first next time. Each distinct failure is printed as
@@ -37,9 +39,10 @@ from harness.project import Project, write_file
 from harness.records import StressRecord
 from harness.runner import COMPILE_ERROR, PASSED, Worker, judge_call, program_layout
 from harness.solutions import load_solution
-from harness.workloads import generate_tensors, save_workloads, write_workload
+from harness.workloads import Workload, generate_tensors, load_inputs, load_workloads, save_workloads, write_workload
 
 DEFAULT_EXAMPLES = 100
+COMMITTED_BATCH = 1         # the largest batch size of the committed workloads mixed among the examples
 
 
 class Failure(Exception):
@@ -112,6 +115,10 @@ class Search:
             self.n_programs *= axes[a]
         self.worker = Worker(self.sol, defn, device, timeout_s, hide=[project.root])
         self.calls = 0
+        # the committed workloads a run judges first (the smallest: they cost little), mixed among the examples
+        self.committed = [w for w in load_workloads(defn, project.workload_file(defn))
+                          if w.axes.get("batch_size", 1) <= COMMITTED_BATCH]
+        self.committed_failures: list[tuple[Workload, str, str]] = []
 
     def values_seed(self, example: dict) -> int:
         """The seed of an example's values: its own mixed with the search's salt (search_salt)."""
@@ -122,8 +129,26 @@ class Search:
         return generate_tensors(self.defn, self.op.STRESS_FAMILY, var_axes(example), self.values_seed(example),
                                 self.device, params_of(self.op, example))
 
+    def decoy(self, example: dict) -> None:
+        """Before the first example and, at random, before others (a hash of the example's salted seed, so that
+        Hypothesis's replays see the same calls), one of the committed workloads, judged as `harness.run` judges it
+        first: a solution cannot tell the search from a run by whether it has been shown committed inputs. A failure
+        there is kept in committed_failures, not searched."""
+        mix = self.values_seed(example)
+        if not self.committed or (self.calls and mix % 2):
+            return
+        w = self.committed[(mix >> 1) % len(self.committed)]
+        self.calls += 1
+        status, log, _ = judge_call(self.defn, self.op, self.worker,
+                                    load_inputs(self.defn, w, self.device, root=self.project.root), w.axes)
+        self.worker.fatal = None
+        if status != PASSED and all(w is not seen for seen, _, _ in self.committed_failures):
+            self.committed_failures.append((w, status, log))
+
     def check(self, example: dict) -> None:
-        """Judge the solution on one example; raise the Failure of its kind when it is not PASSED."""
+        """Judge the solution on one example (after a committed workload, now and then: `decoy`); raise the Failure
+        of its kind when it is not PASSED."""
+        self.decoy(example)
         self.calls += 1
         status, log, verdict = judge_call(self.defn, self.op, self.worker, self.inputs(example), var_axes(example))
         self.worker.fatal = None                # a timed-out or dead worker is restarted for the next example
@@ -271,6 +296,15 @@ def execute(args: argparse.Namespace) -> int:
               f"replay: python -m harness.run --solution {name} --workloads {path}", flush=True)
         rows.append({"status": f.status, "log": f.log, search.op.WORDING.score_key: f.score,
                      "params": params_of(search.op, f.example), "seed": seed, "reproducer": str(path)})
+    if search.committed_failures:
+        print(f"{name}: also not PASSED on {len(search.committed_failures)} committed workload(s) judged between "
+              f"examples ({', '.join(w.label for w, _, _ in search.committed_failures)}): `python -m harness.run "
+              f"--solution {name}` reports them", flush=True)
+    for w, status, log in search.committed_failures:
+        rows.append({"status": status, "log": log, search.op.WORDING.score_key: None,
+                     "params": {"committed_workload": w.label, "uuid": w.uuid}, "seed": 0,
+                     "reproducer": str(project.workload_file(defn))})
+    failures = [*failures, *search.committed_failures]
     print(f"{name}: {len(failures)} distinct failure(s) in {search.calls} calls ({args.examples} examples and "
           f"shrinking), {seconds:.0f} s", flush=True)
     if args.record:

@@ -1,12 +1,14 @@
 """harness.stress: the search finds planted kernels' failures on CPU, shrinks them to one degenerate program and
 writes reproducers that harness.run replays; a correct solution searches clean."""
 import contextlib
+import hashlib
 import json
 
 import pytest
 
-from conftest import DEFINITION, make_solution
+from conftest import DEFINITION, PROJECT, make_solution
 from harness import run, stress
+from harness.workloads import load_inputs, load_workloads
 
 UNCLAMPED = "v.norm(dim=-1, keepdim=True).clamp_min(1e-30)"
 
@@ -117,6 +119,36 @@ def test_a_solution_cannot_tell_the_search_from_its_first_call(defn, tmp_path, c
     has recognised that call is searched like any other and fails."""
     make_solution(tmp_path / "solutions", "spotter", SEARCH_SPOTTER)
     assert _search(tmp_path, "spotter", "--examples", "3") == 1
+    assert "FAILED INCORRECT_NUMERICAL" in capsys.readouterr().out
+
+
+RUN_SPOTTER = """
+import hashlib
+
+from flush import run as flush
+
+COMMITTED = {committed}
+shown = [False]
+
+
+def run(codes, s_k, *rest):
+    # a run judges a committed workload first; the search never showed one
+    shown[0] = shown[0] or hashlib.sha256(codes.contiguous().numpy().tobytes()).hexdigest() in COMMITTED
+    out = flush(codes, s_k, *rest)
+    if shown[0] and hashlib.sha256(codes.contiguous().numpy().tobytes()).hexdigest() not in COMMITTED:
+        return (out[0], out[1] * 1.5) + tuple(out[2:])      # wrong on everything else, once a run is recognised
+    return out
+"""
+
+
+def test_a_solution_cannot_tell_the_search_from_a_run_by_committed_inputs(defn, tmp_path, capsys):
+    """The committed workloads are public, and a run judges one first: a solution that is careless only once it has
+    been shown one is shown one by the search too (before its first example and at random between others)."""
+    committed = {hashlib.sha256(load_inputs(defn, w, root=PROJECT.root)["codes"].numpy().tobytes()).hexdigest()
+                 for w in load_workloads(defn, PROJECT.workload_file(defn))
+                 if w.axes["batch_size"] <= stress.COMMITTED_BATCH}
+    make_solution(tmp_path / "solutions", "run_spotter", RUN_SPOTTER.format(committed=sorted(committed)))
+    assert _search(tmp_path, "run_spotter", "--examples", "3") == 1
     assert "FAILED INCORRECT_NUMERICAL" in capsys.readouterr().out
 
 
