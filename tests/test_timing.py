@@ -43,6 +43,14 @@ def _call_number():
     while frame is not None and not (frame.f_code.co_name == "run" and "k" in frame.f_locals):
         frame = frame.f_back
     return frame.f_locals["k"] if frame is not None else None
+
+
+# (loop, k, perm_v, perm_k, sign_v, sign_k) inside timed call k of a loop holding `kept`, else None
+def _timed_call(kept):
+    loop, k = _loop(), _call_number()
+    if loop is None or k is None or not hasattr(loop, kept):
+        return None
+    return (loop, k, *(loop.variants[n][k] for n in ("perm_v", "perm_k", "sign_v", "sign_k")))
 """
 
 # Timed calls that return nothing useful; when the timed loop replies, `start` sets _fill_late(self) going, which
@@ -148,10 +156,10 @@ timing.TimedLoop.load_pool = _load_pool_and_flush
 
 
 def run(*x):
-    loop, k = _loop(), _call_number()
-    if loop is None or k is None or not hasattr(loop, "flushed"):
+    found = _timed_call("flushed")
+    if found is None:
         return flush(*x)
-    pv, pk, sv, sk = (loop.variants[n][k] for n in ("perm_v", "perm_k", "sign_v", "sign_k"))
+    loop, k, pv, pk, sv, sk = found
     codes, s_k, s_v, u, q = (t.index_select(0, loop.index[k, 0]) for t in loop.flushed)
     codes = codes.index_select(-2, pv).index_select(-1, pk) * (sv[:, None] * sk[None, :])
     out = (codes, s_k.index_select(-1, pk), s_v.index_select(-1, pv), u.index_select(-1, pk) * sk.to(u.dtype),
@@ -186,10 +194,10 @@ timing.TimedLoop.load_pool = _load_pool_and_rebuild
 
 
 def run(*x):
-    loop, k = _loop(), _call_number()
-    if loop is None or k is None or not hasattr(loop, "states"):
+    found = _timed_call("states")
+    if found is None:
         return flush(*x)
-    pv, pk, sv, sk = (loop.variants[n][k] for n in ("perm_v", "perm_k", "sign_v", "sign_k"))
+    loop, k, pv, pk, sv, sk = found
     s = loop.states.index_select(0, loop.index[k, 0]).index_select(-2, pv).index_select(-1, pk)
     s = (s * (sv[:, None] * sk[None, :])).reshape(*x[0].shape[:2], *s.shape[1:])
     st = s.transpose(-1, -2)
