@@ -3,7 +3,8 @@
 
 Each example is one call, at a batch size drawn from the powers of two below --batch-size and itself, whose
 programs are drawn from the operator's PROGRAM_GRAMMAR (one option of every named axis per program; programs past
-the drawn list take the plainest option of every axis) and CALL_GRAMMAR, with a seed for the values (mixed with the
+the drawn list take the plainest option of every axis; a search that finds nothing then tries a quarter as many
+examples again with every program drawing its options from the seed, as the family does) and CALL_GRAMMAR, with a seed for the values (mixed with the
 search's salt, so that no call's inputs are known in advance). The solution runs in its sandboxed worker and is
 judged as `harness.run` judges it (same loader, runner, timeouts and judge); before the first example and at
 random between others it is also shown a committed workload at B = 1, as a run shows it first, so that it cannot
@@ -42,6 +43,7 @@ from harness.solutions import load_solution
 from harness.workloads import Workload, generate_tensors, load_inputs, load_workloads, save_workloads, write_workload
 
 DEFAULT_EXAMPLES = 100
+DRAWN_SHARE = 4            # a search that finds nothing tries 1 / DRAWN_SHARE as many examples more, drawn (`run`)
 COMMITTED_BATCH = 1         # the largest batch size of the committed workloads mixed among the examples
 
 
@@ -69,23 +71,27 @@ def batch_sizes(largest: int) -> list[int]:
     return [1 << i for i in range(largest.bit_length()) if 1 << i < largest] + [largest]
 
 
-def examples(op, n_programs: int, sizes: list[int]):
-    """Strategy of examples {"batch_size": int, "programs": [choices, ...], "call": choices, "seed": int}; the first
-    option of each axis (and the smallest batch size) is its plainest, which is what Hypothesis shrinks towards.
-    The named programs are at most one sequence's (`n_programs`)."""
+def examples(op, n_programs: int, sizes: list[int], drawn: bool = False):
+    """Strategy of examples {"batch_size": int, "programs": [choices, ...], "call": choices, "seed": int, "drawn":
+    bool}; the first option of each axis (and the smallest batch size) is its plainest, which is what Hypothesis
+    shrinks towards. The named programs are at most one sequence's (`n_programs`); `drawn` examples name none: every
+    program of every sequence draws its options from the seed, as the family's do."""
     program = st.fixed_dictionaries({axis: st.sampled_from(options) for axis, options in op.PROGRAM_GRAMMAR.items()})
     call = st.fixed_dictionaries({axis: st.sampled_from(options) for axis, options in op.CALL_GRAMMAR.items()})
-    return st.fixed_dictionaries({"batch_size": st.sampled_from(sizes),
-                                  "programs": st.lists(program, min_size=1, max_size=n_programs), "call": call,
-                                  "seed": st.integers(0, 2 ** 32 - 1)})
+    programs = st.just([]) if drawn else st.lists(program, min_size=1, max_size=n_programs)
+    return st.fixed_dictionaries({"batch_size": st.sampled_from(sizes), "programs": programs, "call": call,
+                                  "seed": st.integers(0, 2 ** 32 - 1), "drawn": st.just(drawn)})
 
 
 def params_of(op, example: dict) -> dict:
-    """The family params of an example, each program naming only the axes off their plainest option."""
+    """The family params of an example, each program naming only the axes off their plainest option (none when
+    the example's programs are drawn from the seed)."""
     def named(choices, grammar):
         return {axis: option for axis, option in choices.items() if option != grammar[axis][0]}
-    return {"programs": [named(p, op.PROGRAM_GRAMMAR) for p in example["programs"]],
-            "call": named(example["call"], op.CALL_GRAMMAR)}
+    call = named(example["call"], op.CALL_GRAMMAR)
+    if example.get("drawn"):
+        return {"call": call}
+    return {"programs": [named(p, op.PROGRAM_GRAMMAR) for p in example["programs"]], "call": call}
 
 
 def describe(op, example: dict, seed: int) -> str:
@@ -93,7 +99,9 @@ def describe(op, example: dict, seed: int) -> str:
     the values' seed."""
     params = params_of(op, example)
     programs = "; ".join(f"program {i}: " + " ".join(f"{a}={o}" for a, o in p.items())
-                         for i, p in enumerate(params["programs"]) if p) or "every program plain"
+                         for i, p in enumerate(params.get("programs", [])) if p) or "every program plain"
+    if "programs" not in params:
+        programs = "every program drawn from the seed"
     call = " ".join(f"{a}={o}" for a, o in params["call"].items()) or "plain"
     return f"{programs} | call: {call} | batch_size {example['batch_size']} | seed {seed}"
 
@@ -158,15 +166,28 @@ class Search:
 
     def run(self, n_examples: int, seed: int | None, database: Path | None) -> list[Failure]:
         """Search n_examples examples (from `seed`, or Hypothesis's own randomness after replaying the failures kept
-        in `database`); the distinct failures, each shrunk."""
+        in `database`); the distinct failures, each shrunk. When they find none, n_examples // DRAWN_SHARE more whose
+        every program draws its options from the seed, as the family's do: failures that need several degenerate
+        programs at once, which one sequence's named programs cannot make (they shrink in batch size and call only,
+        so they come second)."""
         self.worker.start()
         if self.worker.load_error:              # not a search failure: nothing to shrink
             self.worker.close()
             raise HarnessError(f"{self.sol.name}: {COMPILE_ERROR}: {self.worker.load_error}")
+        try:
+            for drawn, count in ((False, n_examples), (True, max(1, n_examples // DRAWN_SHARE))):
+                failures = self._phase(examples(self.op, self.n_programs, self.sizes, drawn), count, seed, database)
+                if failures:
+                    return failures
+            return []
+        finally:
+            self.worker.close()
+
+    def _phase(self, strategy, n_examples: int, seed: int | None, database: Path | None) -> list[Failure]:
         configured = settings(max_examples=n_examples, deadline=None, database=(
             DirectoryBasedExampleDatabase(str(database)) if database else None), report_multiple_bugs=True,
             suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, print_blob=False)
-        test = configured(given(examples(self.op, self.n_programs, self.sizes))(self.check))
+        test = configured(given(strategy)(self.check))
         if seed is not None:                    # Hypothesis neither replays nor keeps examples in a seeded run
             test = hypothesis.seed(seed)(test)
         try:
@@ -177,8 +198,6 @@ class Search:
                 raise HarnessError(f"the search stopped: {type(e).__name__}: {' '.join(str(e).split())[:300]}") \
                     from None
             return failures
-        finally:
-            self.worker.close()
         return []
 
     def reproducer(self, failure: Failure, folder: Path) -> Path:

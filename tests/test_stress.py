@@ -89,6 +89,23 @@ def test_a_kernel_careful_at_one_batch_size_alone_is_searched_at_the_others(defn
     assert "ValueError: empty checkpoint" in line and "| batch_size 2 |" in line, line
 
 
+def test_a_failure_that_needs_degenerate_programs_past_the_first_sequence_is_found(defn, tmp_path, capsys):
+    """A crash on an empty checkpoint past the first sequence: an example's named programs are one sequence's and
+    the rest plain, so the named examples never reach it; the drawn ones that follow a clean search (every program
+    drawn from the seed, as the family's are) do, and the failure says so and replays."""
+    code = ("from flush import run as flush\n\n"
+            "def run(codes, s_k, *rest):\n"
+            "    if (s_k[1:].amax(-1) < 1e-6).any():\n"
+            "        raise ValueError('empty checkpoint past the first sequence')\n"
+            "    return flush(codes, s_k, *rest)\n")
+    make_solution(tmp_path / "solutions", "later_sequences", code)
+    assert _search(tmp_path, "later_sequences", "--seed", "5", "--examples", "40", "--batch-size", "2") == 1
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("FAILED")]
+    assert "empty checkpoint past the first sequence" in line and "every program drawn from the seed" in line, line
+    [path] = _reproducers(tmp_path, "later_sequences")
+    assert "programs" not in json.loads(path.read_text())["workload"]["params"]
+
+
 SEARCH_SPOTTER = """
 import torch
 
