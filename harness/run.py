@@ -248,7 +248,7 @@ def execute(args: argparse.Namespace) -> int:
     local = args.ray is None
     if timed and settings.bandwidth is None and local:
         settings = settings.replace(bandwidth=timing.copy_bandwidth(device))
-    calibrations = [Calibration(defn, device, settings, gpu) if timed and local else None for gpu in slots]
+    calibrations = [Calibration(defn, settings) if timed and local else None for _ in slots]   # one a GPU
     results: list[Result] = []
     unwritten: list[str] = []
     for sol in solutions:

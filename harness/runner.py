@@ -325,8 +325,8 @@ class Calibration:
     loops less their calls', which errs only towards refusing work moved out of the events. Measured before the
     solution's worker starts, so that no solution process exists to slow it down."""
 
-    def __init__(self, defn: Definition, device: str, settings: Settings, gpu: int | None = None):
-        self.defn, self.device, self.settings, self.gpu = defn, device, settings, gpu
+    def __init__(self, defn: Definition, settings: Settings):
+        self.defn, self.settings = defn, settings
         self.walls: dict[tuple, tuple[float, float]] = {}
         self.loops: dict[tuple, object] = {}
         self.null = load_entry(null_solution(defn), defn)
@@ -495,7 +495,7 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
     op = load_op(defn.op_type)
     hide = [Path(root).resolve(), *(Path(h).resolve() for h in hide)]
     if timed and calibration is None:
-        calibration = Calibration(defn, device, settings, gpu)
+        calibration = Calibration(defn, settings)
     worker = Worker(sol, defn, device, settings.timeout_s, hide, gpu)
     where = device if gpu is None else f"{device}:{gpu}"
     results, stopped = [], None

@@ -1,21 +1,20 @@
 """python -m harness.stress --solution NAME [--examples N] [--seed S] [--device auto|cuda|cpu] [--batch-size B]
 [--record]: search the operator's grammar of degenerate inputs for inputs that a solution gets wrong.
 
-Each example is one call, at a batch size drawn from the powers of two below --batch-size and itself, whose
-programs are drawn from the operator's PROGRAM_GRAMMAR (one option of every named axis per program; programs past
-the drawn list take the plainest option of every axis; a search that finds nothing then tries a quarter as many
-examples again with every program drawing its options from the seed, as the family does) and CALL_GRAMMAR, with a seed for the values (mixed with the
-search's salt, so that no call's inputs are known in advance). The solution runs in its sandboxed worker and is
-judged as `harness.run` judges it (same loader, runner, timeouts and judge); before the first example and at
-random between others it is also shown a committed workload at B = 1, as a run shows it first, so that it cannot
-tell the search from a run by whether it has seen committed inputs. Hypothesis drives the search: it
-shrinks a failing example towards the smallest batch size and the fewest programs off their plainest options (it
-may leave plain programs before the one that fails: they are the same as the programs past the list), keeps
-failing examples in the project's .hypothesis/ and tries them first next time. Each distinct failure is printed as
-one line and written as a reproducer workload that `python -m harness.run --solution NAME --workloads FILE`
-replays. Exits 1 on any failure, 2 on bad input. --record writes the outcome to
-<traces>/<definition>/stress_<NAME>.json for the leaderboard (traces: the project's traces/ unless --traces is
-given)."""
+Each example is one call, at a batch size drawn from the powers of two below --batch-size and itself, whose programs
+are drawn from the operator's PROGRAM_GRAMMAR (one option of every named axis per program; programs past the drawn
+list take the plainest option of every axis; a search that finds nothing then tries a quarter as many examples again
+with every program drawing its options from the seed, as the family does) and CALL_GRAMMAR, with a seed for the
+values (mixed with the search's salt, so that no call's inputs are known in advance). The solution runs in its
+sandboxed worker and is judged as `harness.run` judges it (same loader, runner, timeouts and judge); before the
+first example and at random between others it is also shown a committed workload at B = 1, as a run shows it first,
+so that it cannot tell the search from a run by whether it has seen committed inputs. Hypothesis drives the search:
+it shrinks a failing example towards the smallest batch size and the fewest programs off their plainest options (it
+may leave plain programs before the one that fails: they are the same as the programs past the list), keeps failing
+examples in the project's .hypothesis/ and tries them first next time. Each distinct failure is printed as one line
+and written as a reproducer workload that `python -m harness.run --solution NAME --workloads FILE` replays. Exits 1
+on any failure, 2 on bad input. --record writes the outcome to <traces>/<definition>/stress_<NAME>.json for the
+leaderboard (traces: the project's traces/ unless --traces is given)."""
 from __future__ import annotations
 
 import argparse
@@ -98,10 +97,11 @@ def describe(op, example: dict, seed: int) -> str:
     """One line: the programs off plain (by index; the others are plain), the call's choices, the batch size and
     the values' seed."""
     params = params_of(op, example)
-    programs = "; ".join(f"program {i}: " + " ".join(f"{a}={o}" for a, o in p.items())
-                         for i, p in enumerate(params.get("programs", [])) if p) or "every program plain"
     if "programs" not in params:
         programs = "every program drawn from the seed"
+    else:
+        programs = "; ".join(f"program {i}: " + " ".join(f"{a}={o}" for a, o in p.items())
+                             for i, p in enumerate(params["programs"]) if p) or "every program plain"
     call = " ".join(f"{a}={o}" for a, o in params["call"].items()) or "plain"
     return f"{programs} | call: {call} | batch_size {example['batch_size']} | seed {seed}"
 
@@ -127,6 +127,7 @@ class Search:
         self.committed = [w for w in load_workloads(defn, project.workload_file(defn))
                           if w.axes.get("batch_size", 1) <= COMMITTED_BATCH]
         self.committed_failures: list[tuple[Workload, str, str]] = []
+        self.committed_inputs: dict[str, dict] = {}     # by uuid, loaded (and hash-checked) once
 
     def values_seed(self, example: dict) -> int:
         """The seed of an example's values: its own mixed with the search's salt (search_salt)."""
@@ -146,9 +147,10 @@ class Search:
         if not self.committed or (self.calls and mix % 2):
             return
         w = self.committed[(mix >> 1) % len(self.committed)]
+        if w.uuid not in self.committed_inputs:
+            self.committed_inputs[w.uuid] = load_inputs(self.defn, w, self.device, root=self.project.root)
         self.calls += 1
-        status, log, _ = judge_call(self.defn, self.op, self.worker,
-                                    load_inputs(self.defn, w, self.device, root=self.project.root), w.axes)
+        status, log, _ = judge_call(self.defn, self.op, self.worker, self.committed_inputs[w.uuid], w.axes)
         self.worker.fatal = None
         if status != PASSED and all(w is not seen for seen, _, _ in self.committed_failures):
             self.committed_failures.append((w, status, log))
@@ -323,8 +325,8 @@ def execute(args: argparse.Namespace) -> int:
         rows.append({"status": status, "log": log, search.op.WORDING.score_key: None,
                      "params": {"committed_workload": w.label, "uuid": w.uuid}, "seed": 0,
                      "reproducer": str(project.workload_file(defn))})
-    failures = [*failures, *search.committed_failures]
-    print(f"{name}: {len(failures)} distinct failure(s) in {search.calls} calls ({args.examples} examples and "
+    found = len(failures) + len(search.committed_failures)
+    print(f"{name}: {found} distinct failure(s) in {search.calls} calls ({args.examples} examples and "
           f"shrinking), {seconds:.0f} s", flush=True)
     if args.record:
         record = StressRecord(definition=defn.name, solution=name, solution_sha256=search.worker.sha256,
@@ -336,7 +338,7 @@ def execute(args: argparse.Namespace) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file(path, json.dumps(record.to_json(), indent=1) + "\n")
         print(f"wrote {path}")
-    return 1 if failures else 0
+    return 1 if found else 0
 
 
 if __name__ == "__main__":
