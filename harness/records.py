@@ -267,11 +267,13 @@ class DriftRecord(SolutionRun):
 
 
 class StressFailure(Record):
-    """One distinct failure (its score under Wording.score_key) and the workload file that replays it."""
+    """One distinct failure (its score under Wording.score_key) and the workload file that replays it (relative to
+    the project's root when inside it); the example's var axes, with params and seed, rebuild it without that file."""
     status: EvaluationStatus
     log: str
     params: dict[str, Any]
     seed: int
+    axes: dict[str, int] = {}
     reproducer: str
 
 

@@ -28,7 +28,7 @@ from harness.definition import Definition
 from harness.ops import Verdict, load_op
 from harness.project import Settings
 from harness.records import EvaluationStatus
-from harness.solutions import Solution, load_entry, null_solution
+from harness.solutions import Solution, is_reference, load_entry, null_solution
 from harness.workloads import Workload, generate_tensors, load_inputs
 
 PASSED = EvaluationStatus.PASSED
@@ -347,8 +347,10 @@ class Calibration:
         if device.type == "cpu":
             torch.set_num_threads(1)    # as a CPU worker runs (harness.worker)
         try:
+            # mixed parts: one shape's loop serves every family, and its preparation costs the same either way
             loop = timing.TimedLoop(self.null, pristine, axes, list(batched), n_prefix, n_calls, op,
-                                    self.settings.warmup_replays, shared.views(lent.tensor, specs, n_calls))
+                                    self.settings.warmup_replays, shared.views(lent.tensor, specs, n_calls),
+                                    mix_parts=True)
             loop.load_pool(pool)
             walls, calls = [], []
             for _ in range(self.settings.calibration_repeats):
@@ -399,7 +401,7 @@ def output_specs(defn: Definition, axes: dict) -> list[tuple[torch.dtype, tuple[
 
 
 def _timed_measure(defn: Definition, worker: Worker, warm: dict, pool: dict, axes: dict, batched, n_prefix: int,
-                   n_calls: int, warmup_replays: int) -> Measurement:
+                   n_calls: int, warmup_replays: int, mix_parts: bool) -> Measurement:
     """One timed loop in the worker (harness.timing): capture on `warm`, lend it the memory for the outputs of the
     n_calls timed calls, send the pool, then the schedule seed alone, timed by the wall clock until the reply and a
     read of words of the outputs at random places. The worker is killed the moment it replies (whatever it replied),
@@ -415,7 +417,7 @@ def _timed_measure(defn: Definition, worker: Worker, warm: dict, pool: dict, axe
     try:
         status, reply, _ = worker.request(
             {"op": "time_prepare", "axes": axes, "batched": list(batched), "n_prefix": n_prefix,
-             "n_calls": n_calls, "warmup_replays": warmup_replays, "lent_bytes": lent.nbytes,
+             "n_calls": n_calls, "warmup_replays": warmup_replays, "lent_bytes": lent.nbytes, "mix_parts": mix_parts,
              "outputs": [[wire.dtype_name(dtype), list(shape)] for dtype, shape in specs]},
             warm, "capturing", 0, lend=lent.fd)
         if status == "ok":
@@ -614,7 +616,8 @@ def judge_call(defn, op, worker: Worker, inputs: dict, var_axes: dict) -> tuple[
     status, log, outputs = run_call(defn, worker, inputs, defn.resolve_axes(var_axes))
     if status != PASSED:
         return status, log, None
-    verdict = op.judge(inputs, outputs, defn.reference_run()(**inputs), defn.reference)
+    verdict = op.judge(inputs, outputs, defn.reference_run()(**inputs), defn.reference,
+                       yardstick=is_reference(worker.sol))
     return (PASSED, "", verdict) if verdict.passed else (INCORRECT_NUMERICAL, verdict.reason, verdict)
 
 
@@ -634,8 +637,9 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
     axes = defn.resolve_axes(result.workload.axes)
     batched, n_prefix = program_layout(defn)
     n, n_calls = programs.n_programs, settings.timed_calls(programs.n_programs)
+    mix_parts = timing.mixes_parts(op, result.workload.family)
     m = _timed_measure(defn, worker, pristine, programs.pool, axes, batched, n_prefix, n_calls,
-                       settings.warmup_replays)
+                       settings.warmup_replays, mix_parts)
     if m.status != "ok":
         result.status, result.log = m.status, f"while timing: {m.reply}"
         return
@@ -645,7 +649,8 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
             result.status, result.log = RUNTIME_ERROR, "while timing: the reply holds no valid latencies"
             return
         device = next(iter(programs.pool.values())).device
-        index, variants = timing.draw_calls(n_calls, n, programs.pool_programs, m.seed, op, axes, device)
+        index, variants = timing.draw_calls(n_calls, n, programs.pool_programs, m.seed, op, axes, device,
+                                            mix_parts=mix_parts)
         slots = shared.views(m.outputs.tensor, output_specs(defn, axes), n_calls)
         chunk = max(1, JUDGED_PROGRAMS // n)
         reference = defn.reference_run()
@@ -654,7 +659,7 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
             inputs = programs.calls(op, index, variants, first, count)
             outs = tuple(torch.cat([slots[k][j] for k in range(first, first + count)]).to(device)
                          for j in range(len(defn.outputs)))
-            verdict = op.judge(inputs, outs, reference(**inputs), defn.reference)
+            verdict = op.judge(inputs, outs, reference(**inputs), defn.reference, yardstick=is_reference(worker.sol))
             if not verdict.passed:
                 # the schedule seed with the run seed (in the trace) rebuilds these calls' inputs on this device's
                 # generator (timing.draw_calls); the failing element's inputs are kept for any other machine

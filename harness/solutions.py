@@ -97,6 +97,11 @@ def reference_solution(defn: Definition) -> Solution:
                     description="the definition's reference code")
 
 
+def is_reference(sol: Solution) -> bool:
+    """Whether sol is the definition's own reference (the yardstick, run for its times), not a solution folder."""
+    return sol.name == REFERENCE and sol.folder is None
+
+
 def null_solution(defn: Definition) -> Solution:
     return Solution(NULL, defn.name, "harness", "python", "<harness>", "run", True,
                     description="outputs allocated and left as they are: the timed loop without a flush")

@@ -219,6 +219,12 @@ class Search:
         return path
 
 
+def project_path(project, path: Path) -> str:
+    """path as a record names it: relative to the project's root when inside it (records are committed)."""
+    path = Path(path).absolute()             # not resolved: a linked workloads/ stays the project's
+    return (path.relative_to(project.root) if path.is_relative_to(project.root) else path).as_posix()
+
+
 def var_axes(example: dict) -> dict:
     return {"batch_size": example["batch_size"]}
 
@@ -316,7 +322,8 @@ def execute(args: argparse.Namespace) -> int:
         print(f"FAILED {f.status}: {' '.join(f.log.split())[:200]} | {describe(search.op, f.example, seed)} | "
               f"replay: python -m harness.run --solution {name} --workloads {path}", flush=True)
         rows.append({"status": f.status, "log": f.log, search.op.WORDING.score_key: f.score,
-                     "params": params_of(search.op, f.example), "seed": seed, "reproducer": str(path)})
+                     "params": params_of(search.op, f.example), "seed": seed, "axes": var_axes(f.example),
+                     "reproducer": project_path(project, path)})
     if search.committed_failures:
         print(f"{name}: also not PASSED on {len(search.committed_failures)} committed workload(s) judged between "
               f"examples ({', '.join(w.label for w, _, _ in search.committed_failures)}): `python -m harness.run "
@@ -324,7 +331,7 @@ def execute(args: argparse.Namespace) -> int:
     for w, status, log in search.committed_failures:
         rows.append({"status": status, "log": log, search.op.WORDING.score_key: None,
                      "params": {"committed_workload": w.label, "uuid": w.uuid}, "seed": 0,
-                     "reproducer": str(project.workload_file(defn))})
+                     "reproducer": project_path(project, project.workload_file(defn))})
     found = len(failures) + len(search.committed_failures)
     print(f"{name}: {found} distinct failure(s) in {search.calls} calls ({args.examples} examples and "
           f"shrinking), {seconds:.0f} s", flush=True)

@@ -6,11 +6,13 @@ Where each piece runs, and why a solution cannot bend the figure:
   process): `TimedLoop`. Warm-up and capture happen first, on the workload's committed inputs, into INPUT_SETS input
   sets with one graph each. Then the harness sends a *pool* of fresh programs (drawn from a seed that exists only in
   this run) and, last, only the seed of the *schedule* (`draw_calls`): which pool programs every timed program
-  takes its parts from (the operator's PROGRAM_PARTS, each from a pool program of its own: for this operator the
-  checkpoint from one, the window from another), and under which of the operator's symmetries (for this operator a
-  signed permutation of the value and of the key axis, exact in every dtype, which maps the state S to
-  D_v P_v S P_k D_k and changes every output). So no timed call holds a program that existed before its seed
-  arrived: nothing can be looked up, and nothing that needs two parts computed, ahead. Call k
+  takes its parts from (in a family whose parts are drawn independently, the operator's INDEPENDENT_PARTS_FAMILIES,
+  each of its PROGRAM_PARTS from a pool program of its own: for this operator the checkpoint from one, the window
+  from another; in any other family one whole pool program, since parts drawn together can leave the domain when
+  mixed), and under which of the operator's symmetries (for this operator a signed permutation of the value and of
+  the key axis, exact in every dtype, which maps the state S to D_v P_v S P_k D_k and changes every output). So no
+  timed call holds a program that existed before its seed arrived: nothing can be looked up, and in a family of
+  independent parts nothing that needs two parts computed ahead. Call k
   replays a captured preparation (keep call k - 1's outputs, refill the input set, poison the outputs with NaN or
   the integer minimum, flush the L2 with a write twice its size), then the solution's graph between two CUDA
   events.
@@ -58,18 +60,25 @@ class NotCapturable(Exception):
     pass
 
 
-def draw_calls(n_calls: int, n_programs: int, pool_programs: int, seed: int, op, axes: dict,
-               device="cpu") -> tuple[torch.Tensor, dict]:
+def draw_calls(n_calls: int, n_programs: int, pool_programs: int, seed: int, op, axes: dict, device="cpu", *,
+               mix_parts: bool) -> tuple[torch.Tensor, dict]:
     """What the timed calls run on, as a pure function of its arguments on one device and torch build (so that the
     harness sends only the seed into the timed region and judges with its own copy): int64 [n_calls, parts,
     n_programs], the pool program each of the operator's PROGRAM_PARTS of each program slot of call k takes (no
-    repeats within a call and part), and the parameters of the operator's symmetry (`draw_variants` /
-    `apply_variant`) applied to each call."""
+    repeats within a call and part; with mix_parts False every part of a slot takes the same one), and the
+    parameters of the operator's symmetry (`draw_variants` / `apply_variant`) applied to each call."""
     gen = torch.Generator(device=device).manual_seed(seed)
     keys = torch.rand(n_calls, len(op.PROGRAM_PARTS), pool_programs, generator=gen, device=device)
     index = torch.argsort(keys, dim=-1, stable=True)[..., :n_programs]
+    if not mix_parts:
+        index = index[:, :1].expand_as(index).contiguous()
     variants = op.draw_variants(n_calls, axes, gen)
     return index, variants
+
+
+def mixes_parts(op, family: str) -> bool:
+    """Whether a timed program of `family` takes its parts from different pool programs (draw_calls)."""
+    return family in op.INDEPENDENT_PARTS_FAMILIES
 
 
 def call_inputs(op, pool: dict, batched, unit: tuple, index: torch.Tensor, variants: dict, k: int) -> dict:
@@ -145,10 +154,11 @@ class TimedLoop:
     (tests only) graphs are plain calls and the clock is time.perf_counter."""
 
     def __init__(self, call: Callable, warm: dict, axes: dict, batched: list[str], n_prefix: int, n_calls: int, op,
-                 warmup_replays: int, slots: list[tuple[torch.Tensor, ...]]):
+                 warmup_replays: int, slots: list[tuple[torch.Tensor, ...]], mix_parts: bool):
         self.device = next(iter(warm.values())).device
         self.cuda = self.device.type == "cuda"
         self.axes, self.batched, self.n_prefix, self.n_calls, self.op = axes, set(batched), n_prefix, n_calls, op
+        self.mix_parts = mix_parts
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -214,7 +224,7 @@ class TimedLoop:
         self.unit = tuple(self.sets[0][next(iter(self.batched))].shape[:self.n_prefix])
         self.pool_programs = self.pool[next(iter(self.batched))].shape[0]
         self.index, self.variants = draw_calls(self.n_calls, math.prod(self.unit), self.pool_programs, 0, self.op,
-                                               self.axes, self.device)
+                                               self.axes, self.device, mix_parts=self.mix_parts)
         with self._on_stream():
             self.prepares = []
             for k in range(self.n_calls):
@@ -244,7 +254,7 @@ class TimedLoop:
         stamps = []
         with self._on_stream():
             index, variants = draw_calls(self.n_calls, math.prod(self.unit), self.pool_programs, seed, self.op,
-                                         self.axes, self.device)
+                                         self.axes, self.device, mix_parts=self.mix_parts)
             self.index.copy_(index)
             for name, params in variants.items():
                 self.variants[name].copy_(params)

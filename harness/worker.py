@@ -117,7 +117,8 @@ def serve(sock: socket.socket) -> None:
                                      msg["n_calls"])
                 # the loop poisons each call's outputs before it, outside the timed region
                 loop = timing.TimedLoop(functools.partial(fn, fill=False), warm, msg["axes"], msg["batched"],
-                                        msg["n_prefix"], msg["n_calls"], op, msg["warmup_replays"], slots)
+                                        msg["n_prefix"], msg["n_calls"], op, msg["warmup_replays"], slots,
+                                        msg["mix_parts"])
                 wire.send(sock, {"status": "ok"})
             elif request == "time_pool":
                 loop.load_pool(tensors)

@@ -240,6 +240,27 @@ def test_a_head_the_reference_breaks_on_is_held_to_the_looser_cap(defn, bad):
     assert not v.passed and "cap" in v.reason and f"head {head}" in v.reason
 
 
+def test_the_reference_judged_as_its_own_yardstick_is_not_failed_where_it_breaks(defn):
+    """The definition's reference, run as a solution for its times, returned non-finite tokens on one stress head of
+    a timed call under a symmetry (H100 and H200, B = 256): the reference it is judged against, run by the harness,
+    breaks on the same head. As the yardstick that head is counted, not failed; any other output there still fails
+    as a candidate's would, and a yardstick that breaks where the harness's reference does not fails too."""
+    x = _inputs(defn, "stress", 1, 5)
+    ref = defn.reference_run()(**x)
+    head, other = 3, 5
+    broken_u = ref[3].clone()
+    broken_u[0, head, 0, 0] = float("nan")
+    broken = ref[:3] + (broken_u, ref[4])
+    verdict = op.judge(x, broken, broken, defn.reference, yardstick=True)
+    assert verdict.passed and verdict.extra["reference_broken_heads"] == 1, verdict.reason
+    verdict = op.judge(x, broken, broken, defn.reference)
+    assert not verdict.passed and f"non-finite values in u_new at (batch 0, head {head})" in verdict.reason
+    elsewhere = broken_u.clone()
+    elsewhere[0, other, 0, 0] = float("inf")
+    verdict = op.judge(x, ref[:3] + (elsewhere, ref[4]), broken, defn.reference, yardstick=True)
+    assert not verdict.passed and f"head {other})" in verdict.reason, verdict.reason
+
+
 DEEP_RANK_ONE = {"checkpoint": "tokens", "tokens_rank": 2, "window": "few", "keys": "cancel", "rank": 4,
                  "scale": "deep", "decay": "total", "values": "exact"}
 

@@ -171,7 +171,7 @@ def test_outputs_written_after_the_reply_are_refused(defn, small, late):
     batched, n_prefix = runner.program_layout(defn)
     pool = runner.Programs(defn, small[0], 5, "cpu", 64).pool
     worker = LentOutputsWriter(late)
-    m = runner._timed_measure(defn, worker, pool, pool, axes, batched, n_prefix, 3, 1)
+    m = runner._timed_measure(defn, worker, pool, pool, axes, batched, n_prefix, 3, 1, True)
     if m.outputs is not None:
         m.outputs.close()
     if late is None:

@@ -1,4 +1,5 @@
 """Solution folders: loading, the built-in reference, value-returning and destination-passing entry points."""
+import dataclasses
 import json
 
 import pytest
@@ -7,13 +8,21 @@ import torch
 from conftest import PROJECT, make_solution
 from harness import sandbox
 from harness.ops import leapquant_kda_flush as op
-from harness.solutions import (REFERENCE, SolutionError, discover, load_entry, load_solution, source_sha256,
-                               unmet_needs)
+from harness.solutions import (REFERENCE, SolutionError, discover, is_reference, load_entry, load_solution,
+                               source_sha256, unmet_needs)
 
 
 def test_discover_lists_reference_first(defn):
     names = discover(defn, PROJECT.solutions)
     assert names[0] == REFERENCE and "torch_v1" in names
+
+
+def test_only_the_definitions_own_reference_is_the_yardstick(defn):
+    """The judge spares the reference's own breakdowns (criterion `yardstick`) for the definition's code alone, not
+    for a solution folder that calls itself reference."""
+    assert is_reference(load_solution(REFERENCE, defn, PROJECT.solutions))
+    folder = load_solution("torch_v1", defn, PROJECT.solutions)
+    assert not is_reference(folder) and not is_reference(dataclasses.replace(folder, name=REFERENCE))
 
 
 def test_value_returning_and_destination_passing_agree(defn, tmp_path):

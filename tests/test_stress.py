@@ -33,7 +33,7 @@ def test_unclamped_norm_found_shrunk_and_replayed(defn, tmp_path, tmp_project, c
     make_solution(tmp_path / "solutions", "unclamped", _planted_reference(defn, UNCLAMPED, "v.norm(dim=-1, "
                                                                                             "keepdim=True)"),
                   copy_flush=False)
-    assert _search(tmp_path, "unclamped", "--seed", "7", "--project", str(tmp_project.root)) == 1
+    assert _search(tmp_path, "unclamped", "--seed", "7", "--project", str(tmp_project.root), "--record") == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAILED")]
     assert len(lines) == 1 and "non-finite values in" in lines[0]
     described = lines[0].split(" | ")[1]
@@ -43,6 +43,11 @@ def test_unclamped_norm_found_shrunk_and_replayed(defn, tmp_path, tmp_project, c
     line = json.loads(path.read_text())
     assert line["workload"]["family"] == "stress" and sum(bool(p) for p in line["workload"]["params"]["programs"]) == 1
     assert line["workload"]["inputs"]["codes"]["path"].startswith("failures/unclamped/")   # within the project
+    failures = json.loads((tmp_project.traces / DEFINITION / "stress_unclamped.json").read_text())["failures"]
+    found, *committed = failures                      # the drawn example first, then committed workloads it fails
+    assert found["reproducer"] == path.relative_to(tmp_project.root).as_posix()          # committed records move
+    assert found["axes"] == {"batch_size": line["workload"]["axes"]["batch_size"]}
+    assert {f["reproducer"] for f in committed} <= {"workloads/leapquant_kda_flush/" + DEFINITION + ".jsonl"}
     # replayed by harness.run: the planted kernel fails it, the reference's own code passes it
     make_solution(tmp_project.solutions, "exact", defn.reference, copy_flush=False)
     for name, code in (("unclamped", 1), ("exact", 0)):

@@ -2,6 +2,7 @@
 runner.evaluate: on the CPU (plain calls timed by perf_counter, a small loop and a loose tolerance for a shared
 machine's noise) for the attacks that do not need a GPU, and on the GPU (skipped without one) for the rest. Each
 attack is written as a competitor would write it and must lose; an honest solution in the same setting must pass."""
+import dataclasses
 import os
 import re
 
@@ -272,9 +273,9 @@ def run(*x):
 
 def test_draw_calls_is_a_pure_function_of_the_seed(defn):
     axes = axes_for(defn, 1)
-    index, variants = timing.draw_calls(30, 32, 2048, 7, op, axes)
-    again, variants_again = timing.draw_calls(30, 32, 2048, 7, op, axes)
-    other, _ = timing.draw_calls(30, 32, 2048, 8, op, axes)
+    index, variants = timing.draw_calls(30, 32, 2048, 7, op, axes, mix_parts=True)
+    again, variants_again = timing.draw_calls(30, 32, 2048, 7, op, axes, mix_parts=True)
+    other, _ = timing.draw_calls(30, 32, 2048, 8, op, axes, mix_parts=True)
     assert torch.equal(index, again) and all(torch.equal(variants[k], variants_again[k]) for k in variants)
     assert not torch.equal(index, other)
     assert index.shape == (30, len(op.PROGRAM_PARTS), 32) and int(index.max()) < 2048
@@ -285,15 +286,16 @@ def test_draw_calls_is_a_pure_function_of_the_seed(defn):
 
 
 def test_a_timed_program_mixes_parts_of_two_pool_programs(defn):
-    """Call k's checkpoint and window come from the pool programs index[k, 0] and index[k, 1], in every batched
-    input of the definition (the parts cover them all, each once), so the state a timed program rebuilds exists in
-    no pool program."""
+    """In a family of independent parts, call k's checkpoint and window come from the pool programs index[k, 0] and
+    index[k, 1], in every batched input of the definition (the parts cover them all, each once), so the state a
+    timed program rebuilds exists in no pool program."""
     axes = axes_for(defn, 1)
     batched, _ = runner.program_layout(defn)
     assert sorted(timing.program_parts(op, batched)) == sorted(batched)
+    assert timing.mixes_parts(op, "random")
     pool = {k: timing.flat_programs(v, 2) if k in batched else v
             for k, v in op.make_inputs("random", axes_for(defn, 4), 5).items()}
-    index, variants = timing.draw_calls(3, 32, 128, 9, op, axes)
+    index, variants = timing.draw_calls(3, 32, 128, 9, op, axes, mix_parts=True)
     x = timing.call_inputs(op, pool, set(batched), (1, 32), index, variants, 2)
     # the call's symmetry with its signs left out: the magnitudes of its inputs are those of its part's programs
     v = {**{n: p[2] for n, p in variants.items()}, "sign_v": torch.ones_like(variants["sign_v"][2]),
@@ -306,6 +308,29 @@ def test_a_timed_program_mixes_parts_of_two_pool_programs(defn):
     assert not torch.equal(index[:, 0], index[:, 1])
     with pytest.raises(ValueError, match="PROGRAM_PARTS"):
         timing.program_parts(op, [*batched, "extra"])
+    whole, _ = timing.draw_calls(3, 32, 128, 9, op, axes, mix_parts=False)
+    assert torch.equal(whole[:, 0], index[:, 0]) and torch.equal(whole[:, 1], whole[:, 0])
+
+
+@pytest.mark.parametrize("family", op.FAMILIES)
+def test_timed_programs_stay_where_the_family_puts_its_states(defn, family):
+    """Timed programs are programs of the workload's family: their states (the largest entry of each head, exactly
+    rebuilt) lie where the family's own lie, as far as the domain's bounds go. Mixing the parts of a family that
+    scales its heads into the domain as a whole (stress) made heads whose state lay below 2^-20, on which the
+    reference itself returned non-finite values (H200, timed calls at B = 16 and 256)."""
+    batch = 16
+    w = next(w for w in load_workloads(defn, PROJECT.workload_file(defn)) if w.family == family)
+    programs = runner.Programs(defn, dataclasses.replace(w, axes={**w.axes, "batch_size": batch}), 5, "cpu", 1024)
+    axes = defn.resolve_axes({**w.axes, "batch_size": batch})
+    index, variants = timing.draw_calls(4, programs.n_programs, programs.pool_programs, 11, op, axes,
+                                        mix_parts=timing.mixes_parts(op, family))
+    whole = op.exact_state(programs.first()).abs().amax((-2, -1)).flatten()
+    timed = op.exact_state(programs.calls(op, index, variants, 0, 4)).abs().amax((-2, -1)).flatten()
+
+    def outside(largest):       # share of heads above |S| = 1e4, or not zero and wholly below 2^-20
+        return float(((largest >= 1e4) | ((largest > 0) & (largest < 2.0 ** -20))).double().mean())
+    assert outside(timed) <= outside(whole) + 0.5 / len(whole), (outside(timed), outside(whole))
+    assert float(timed.max()) <= max(float(whole.max()), 1e4)
 
 
 @pytest.mark.parametrize("family", op.FAMILIES)
@@ -314,7 +339,7 @@ def test_symmetry_maps_the_state_exactly_and_changes_the_outputs(defn, family):
     of the untransformed ones (q0 stays fixed), so a timed call cannot be answered from another's outputs."""
     axes = axes_for(defn, 1)
     x = op.make_inputs(family, axes, 11)
-    _, variants = timing.draw_calls(1, 32, 32, 3, op, axes)
+    _, variants = timing.draw_calls(1, 32, 32, 3, op, axes, mix_parts=False)
     v = {k: p[0] for k, p in variants.items()}
     y = op.apply_variant(x, v)
     assert all(y[k].dtype == x[k].dtype and y[k].shape == x[k].shape for k in x)

@@ -61,16 +61,21 @@ class Operator(Protocol):
                     params: dict | None = None) -> dict:
         """A pure function of its arguments; ValueError for params the family does not take."""
 
-    def judge(self, inputs: dict, outputs: tuple, reference_outputs: tuple, reference_code: str | None = None
-              ) -> Verdict:
+    def judge(self, inputs: dict, outputs: tuple, reference_outputs: tuple, reference_code: str | None = None, *,
+              yardstick: bool = False) -> Verdict:
         """Outputs already shape and dtype checked; reference_code is the definition's (the operator may run it in
         other, equivalent forms). A failed verdict may name the failing program's index over the program axes as
-        extra["program"] (the timer then keeps that batch element's inputs)."""
+        extra["program"] (the timer then keeps that batch element's inputs). yardstick: the outputs are the
+        definition's reference's own, judged only where the reference is a valid yardstick of itself."""
 
-    # harness.timing: the batched inputs in groups (every one in exactly one) that each timed program takes from pool
-    # programs drawn apart, one per group: work that depends on one group alone cannot be done on the pool before the
-    # schedule is known, since the groups meet only in the timed call
+    # harness.timing: the batched inputs in groups (every one in exactly one) that a timed program of one of
+    # INDEPENDENT_PARTS_FAMILIES takes from pool programs drawn apart, one per group: work that depends on both groups
+    # cannot be done on the pool before the schedule is known, since they meet only in the timed call
     PROGRAM_PARTS: tuple[tuple[str, ...], ...]
+    # the families whose parts are drawn independently inside the domain, so that any two make a program of the
+    # family; a timed program of any other family is one whole pool program (parts drawn together, such as a state
+    # scaled into the domain as a whole, leave it when mixed)
+    INDEPENDENT_PARTS_FAMILIES: frozenset[str]
 
     def draw_variants(self, n: int, axes: dict, generator: Any) -> dict:
         """harness.timing: the parameters of n symmetries, one per timed call, drawn from generator."""

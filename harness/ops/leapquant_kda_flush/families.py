@@ -10,6 +10,12 @@ from harness.ops.leapquant_kda_flush.layout import CHECKPOINT, DTYPES, EPS, WIND
 
 FAMILIES = ("edge", "second_window", "random", "trajectory", "stress")
 FAMILY_BATCH_SIZES = {"stress": (1, 16, 64, 256)}
+# families whose checkpoint and window are drawn apart, each inside the domain, so that any checkpoint and any window
+# of the family make one of its programs. The others draw them together: an edge head's kind and a stress head's
+# degeneracies span both, and a stress head is scaled into the domain as a whole (_within_format), so a stress
+# checkpoint with another head's window can leave it (states below 2^-20, on which the reference's own Gram-Schmidt
+# returns non-finite tokens), as an edge one can pass |S| = 1e4
+INDEPENDENT_PARTS_FAMILIES = frozenset({"random", "trajectory"})
 EDGE_KINDS = ("generic", "rank1", "rank2", "zero", "tiny", "tinier", "huge", "hot_row", "decayed", "no_decay",
               "split_decades")
 TRAJECTORY_WINDOWS = 4  # windows streamed through the flush before the one the workload holds
