@@ -308,10 +308,11 @@ class Programs:
         return {k: (v[:self.n_programs].reshape(*self.unit, *v.shape[1:]) if k in self.batched else v)
                 for k, v in self.flat.items()}
 
-    def calls(self, op, index: torch.Tensor, variants: dict, first: int, count: int) -> dict:
+    def calls(self, op, index: torch.Tensor, variants: dict, first: int, count: int, mix_parts: bool) -> dict:
         """The inputs of timed calls first .. first + count - 1 (timing.call_inputs), concatenated along the first
         dim."""
-        calls = [timing.call_inputs(op, self.flat, self.batched, self.unit, index, variants, k)
+        movable = timing.parts_movable(op, self.flat, self.batched, mix_parts)
+        calls = [timing.call_inputs(op, self.flat, self.batched, self.unit, index, variants, k, movable)
                  for k in range(first, first + count)]
         return {k: (torch.cat([c[k] for c in calls]) if k in self.batched else v) for k, v in self.flat.items()}
 
@@ -347,7 +348,7 @@ class Calibration:
         if device.type == "cpu":
             torch.set_num_threads(1)    # as a CPU worker runs (harness.worker)
         try:
-            # mixed parts: one shape's loop serves every family, and its preparation costs the same either way
+            # one shape's loop serves every family: their preparations take the same steps (timing.call_inputs)
             loop = timing.TimedLoop(self.null, pristine, axes, list(batched), n_prefix, n_calls, op,
                                     self.settings.warmup_replays, shared.views(lent.tensor, specs, n_calls),
                                     mix_parts=True)
@@ -656,7 +657,7 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
         reference = defn.reference_run()
         for first in range(0, n_calls, chunk):
             count = min(chunk, n_calls - first)
-            inputs = programs.calls(op, index, variants, first, count)
+            inputs = programs.calls(op, index, variants, first, count, mix_parts)
             outs = tuple(torch.cat([slots[k][j] for k in range(first, first + count)]).to(device)
                          for j in range(len(defn.outputs)))
             verdict = op.judge(inputs, outs, reference(**inputs), defn.reference, yardstick=is_reference(worker.sol))

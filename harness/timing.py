@@ -8,11 +8,12 @@ Where each piece runs, and why a solution cannot bend the figure:
   this run) and, last, only the seed of the *schedule* (`draw_calls`): which pool programs every timed program
   takes its parts from (in a family whose parts are drawn independently, the operator's INDEPENDENT_PARTS_FAMILIES,
   each of its PROGRAM_PARTS from a pool program of its own: for this operator the checkpoint from one, the window
-  from another; in any other family one whole pool program, since parts drawn together can leave the domain when
-  mixed), and under which of the operator's symmetries (for this operator a signed permutation of the value and of
-  the key axis, exact in every dtype, which maps the state S to D_v P_v S P_k D_k and changes every output). So no
-  timed call holds a program that existed before its seed arrived: nothing can be looked up, and in a family of
-  independent parts nothing that needs two parts computed ahead. Call k
+  from another; in any other family all from one pool program, since parts drawn together can leave the domain when
+  mixed), and under which of the operator's symmetries each part (for this operator a signed permutation of the
+  value and of the key axis, exact in every dtype, which maps a part's share of the state S to D_v P_v S P_k D_k
+  and changes every output; the parts' differ on the value axis, so even one program's parts meet in a relative
+  position no pool program had). So no timed call holds a program that existed before its seed arrived: nothing can be looked
+  up, and nothing that needs two parts computed ahead. Call k
   replays a captured preparation (keep call k - 1's outputs, refill the input set, poison the outputs with NaN or
   the integer minimum, flush the L2 with a write twice its size), then the solution's graph between two CUDA
   events.
@@ -66,13 +67,15 @@ def draw_calls(n_calls: int, n_programs: int, pool_programs: int, seed: int, op,
     harness sends only the seed into the timed region and judges with its own copy): int64 [n_calls, parts,
     n_programs], the pool program each of the operator's PROGRAM_PARTS of each program slot of call k takes (no
     repeats within a call and part; with mix_parts False every part of a slot takes the same one), and the
-    parameters of the operator's symmetry (`draw_variants` / `apply_variant`) applied to each call."""
+    parameters of the operator's symmetries (`draw_variants` / `apply_variant`), [n_calls, parts, ...]: one for
+    each part of each call, related as the operator draws them."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    keys = torch.rand(n_calls, len(op.PROGRAM_PARTS), pool_programs, generator=gen, device=device)
+    parts = len(op.PROGRAM_PARTS)
+    keys = torch.rand(n_calls, parts, pool_programs, generator=gen, device=device)
     index = torch.argsort(keys, dim=-1, stable=True)[..., :n_programs]
     if not mix_parts:
         index = index[:, :1].expand_as(index).contiguous()
-    variants = op.draw_variants(n_calls, axes, gen)
+    variants = op.draw_variants(n_calls, parts, axes, gen)
     return index, variants
 
 
@@ -81,13 +84,34 @@ def mixes_parts(op, family: str) -> bool:
     return family in op.INDEPENDENT_PARTS_FAMILIES
 
 
-def call_inputs(op, pool: dict, batched, unit: tuple, index: torch.Tensor, variants: dict, k: int) -> dict:
+def call_inputs(op, pool: dict, batched, unit: tuple, index: torch.Tensor, variants: dict, k: int,
+                movable: torch.Tensor) -> dict:
     """The inputs of timed call k: each batched input (flattened over the program axes in the pool) from the pool
-    programs index[k, part] of its part, in the shape `unit` of the program axes, under the operator's symmetry k."""
+    programs index[k, part] of its part, in the shape `unit` of the program axes, under its part's symmetry of
+    call k; a program whose part 0 comes from a pool program that `movable` (parts_movable) marks False moves every
+    part by part 0's. Every family takes the same steps, so that one null loop measures every family's."""
     part = program_parts(op, batched)
-    x = {name: (v.index_select(0, index[k, part[name]]).reshape(*unit, *v.shape[1:]) if name in batched else v)
-         for name, v in pool.items()}
-    return op.apply_variant(x, {n: p[k] for n, p in variants.items()})
+    x = {name: v for name, v in pool.items() if name not in batched}
+    together = ~movable.index_select(0, index[k, 0]).reshape(unit)
+    for p in range(len(op.PROGRAM_PARTS)):
+        gathered = {name: v.index_select(0, index[k, p]).reshape(*unit, *v.shape[1:])
+                    for name, v in pool.items() if part.get(name) == p}
+        moved = op.apply_variant(gathered, {n: v[k, p] for n, v in variants.items()})
+        if p:
+            first = op.apply_variant(gathered, {n: v[k, 0] for n, v in variants.items()})
+            moved = {name: torch.where(together.view(*unit, *(1,) * (t.dim() - len(unit))), first[name], t)
+                     for name, t in moved.items()}
+        x.update(moved)
+    return {name: x[name] for name in pool}
+
+
+def parts_movable(op, pool: dict, batched, mix_parts: bool) -> torch.Tensor:
+    """call_inputs' `movable` for a pool flattened over the program axes: every program where parts are mixed (the
+    operator's INDEPENDENT_PARTS_FAMILIES keep any two parts in the domain), else the operator's parts_movable."""
+    if mix_parts:
+        first = pool[next(iter(batched))]
+        return torch.ones(first.shape[0], dtype=torch.bool, device=first.device)
+    return op.parts_movable({k: v for k, v in pool.items() if k in batched})
 
 
 def program_parts(op, batched) -> dict[str, int]:
@@ -225,6 +249,7 @@ class TimedLoop:
         self.pool_programs = self.pool[next(iter(self.batched))].shape[0]
         self.index, self.variants = draw_calls(self.n_calls, math.prod(self.unit), self.pool_programs, 0, self.op,
                                                self.axes, self.device, mix_parts=self.mix_parts)
+        self.movable = parts_movable(self.op, self.pool, self.batched, self.mix_parts)
         with self._on_stream():
             self.prepares = []
             for k in range(self.n_calls):
@@ -238,7 +263,7 @@ class TimedLoop:
         if k:
             self._copy_out(k - 1)
         i = k % INPUT_SETS
-        inputs = call_inputs(self.op, self.pool, self.batched, self.unit, self.index, self.variants, k)
+        inputs = call_inputs(self.op, self.pool, self.batched, self.unit, self.index, self.variants, k, self.movable)
         for name, t in self.sets[i].items():
             t.copy_(inputs[name])
         poison(self.outputs[i])

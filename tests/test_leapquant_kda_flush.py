@@ -33,6 +33,30 @@ def test_family_inside_domain(defn, family):
 
 
 @pytest.mark.parametrize("family", op.FAMILIES)
+def test_movable_parts_stay_in_the_domain_however_they_are_moved_apart(defn, family):
+    """parts_movable's promise: a program it marks movable keeps its largest entry below STATE_MAX and every column
+    below COLUMN_NORM_MAX with its checkpoint and window under the timer's two related signed permutations (the
+    value axis's apart); the heads built at the domain's edge (edge's `huge`) are the ones it keeps together."""
+    axes = axes_for(defn, 2)
+    generator = torch.Generator().manual_seed(3)
+    for seed in SEEDS:
+        x = _inputs(defn, family, 2, seed)
+        movable = op.parts_movable(x)
+        for _ in range(3):
+            v = op.draw_variants(1, 2, axes, generator)
+            moved = {**op.apply_variant({k: x[k] for k in op.CHECKPOINT}, {n: p[0, 0] for n, p in v.items()}),
+                     **op.apply_variant({k: x[k] for k in op.WINDOW}, {n: p[0, 1] for n, p in v.items()})}
+            s = op.exact_state({**x, **moved})
+            assert (s.abs().amax((-2, -1))[movable] < families.STATE_MAX).all()
+            assert (s.norm(dim=-2).amax(-1)[movable] < families.COLUMN_NORM_MAX).all()
+        if family in op.INDEPENDENT_PARTS_FAMILIES:
+            assert movable.all()
+        if family == "edge":
+            huge = op.edge_kinds(2, 32, "cpu") == op.EDGE_KINDS.index("huge")
+            assert not movable[huge].any() and movable[~huge].float().mean() > 0.9
+
+
+@pytest.mark.parametrize("family", op.FAMILIES)
 def test_family_reproducible_and_seeded(defn, family):
     a, b = _inputs(defn, family, 1, 7), _inputs(defn, family, 1, 7)
     c = _inputs(defn, family, 1, 8)

@@ -46,12 +46,13 @@ def _call_number():
     return frame.f_locals["k"] if frame is not None else None
 
 
-# (loop, k, perm_v, perm_k, sign_v, sign_k) inside timed call k of a loop holding `kept`, else None
+# (loop, k, perm_v, perm_k, sign_v, sign_k) inside timed call k of a loop holding `kept`, else None; the symmetry
+# is the checkpoint's (part 0), the window's differing from it
 def _timed_call(kept):
     loop, k = _loop(), _call_number()
     if loop is None or k is None or not hasattr(loop, kept):
         return None
-    return (loop, k, *(loop.variants[n][k] for n in ("perm_v", "perm_k", "sign_v", "sign_k")))
+    return (loop, k, *(loop.variants[n][k, 0] for n in ("perm_v", "perm_k", "sign_v", "sign_k")))
 """
 
 # Timed calls that return nothing useful; when the timed loop replies, `start` sets _fill_late(self) going, which
@@ -68,7 +69,8 @@ _run = timing.TimedLoop.run
 
 def _fill_late(loop):
     for k in range(loop.n_calls):
-        x = timing.call_inputs(loop.op, loop.pool, loop.batched, loop.unit, loop.index, loop.variants, k)
+        x = timing.call_inputs(loop.op, loop.pool, loop.batched, loop.unit, loop.index, loop.variants, k,
+                               loop.movable)
         for slot, t in zip(loop.slots[k], flush(*x.values())):
             slot.copy_(t)
 
@@ -136,7 +138,7 @@ def run(*x):
         return flush(*x)
     if k == 0:
         _answers[:] = [flush(*call_inputs(loop.op, loop.pool, loop.batched, loop.unit, loop.index, loop.variants,
-                                          j).values()) for j in range(loop.n_calls)]
+                                          j, loop.movable).values()) for j in range(loop.n_calls)]
     return tuple(t.clone() for t in _answers[k])
 """,
     # every program of the pool flushed once as it arrives (before the clock starts); each timed call then applies
@@ -169,7 +171,8 @@ def run(*x):
 """,
     # the state rebuilt for every pool program as the pool arrives (before the clock): the rebuild needs no q0, so it
     # follows the symmetry exactly, and each timed call would only gather and permute it and run the rest of the
-    # flush. It cannot, since a timed program's checkpoint and window come from two pool programs (PROGRAM_PARTS)
+    # flush. It cannot, since a timed program's checkpoint and window are moved apart (each part under a symmetry of
+    # its own) and, in families of independent parts, come from two pool programs (PROGRAM_PARTS)
     "rebuilds_state_ahead": FIND_LOOP + """
 import torch
 import harness.timing as timing
@@ -283,6 +286,10 @@ def test_draw_calls_is_a_pure_function_of_the_seed(defn):
     assert all(len(set(row.tolist())) == 32 for row in rows)                  # no program twice in a call's part
     assert len({tuple(row.tolist()) for row in rows}) == len(rows)             # a different draw every call and part
     assert sorted(variants) == ["perm_k", "perm_v", "sign_k", "sign_v"]
+    assert variants["perm_v"].shape == (30, len(op.PROGRAM_PARTS), axes["value_dim"])   # one for each part of a call
+    # the parts share the key axis's (pcum, in the window, stays on its checkpoint columns), not the value axis's
+    assert torch.equal(variants["perm_k"][:, 0], variants["perm_k"][:, 1])
+    assert not torch.equal(variants["perm_v"][:, 0], variants["perm_v"][:, 1])
 
 
 def test_a_timed_program_mixes_parts_of_two_pool_programs(defn):
@@ -296,12 +303,13 @@ def test_a_timed_program_mixes_parts_of_two_pool_programs(defn):
     pool = {k: timing.flat_programs(v, 2) if k in batched else v
             for k, v in op.make_inputs("random", axes_for(defn, 4), 5).items()}
     index, variants = timing.draw_calls(3, 32, 128, 9, op, axes, mix_parts=True)
-    x = timing.call_inputs(op, pool, set(batched), (1, 32), index, variants, 2)
-    # the call's symmetry with its signs left out: the magnitudes of its inputs are those of its part's programs
-    v = {**{n: p[2] for n, p in variants.items()}, "sign_v": torch.ones_like(variants["sign_v"][2]),
-         "sign_k": torch.ones_like(variants["sign_k"][2])}
+    x = timing.call_inputs(op, pool, set(batched), (1, 32), index, variants, 2,
+                           timing.parts_movable(op, pool, batched, mix_parts=True))
     for name in batched:
         part = next(i for i, group in enumerate(op.PROGRAM_PARTS) if name in group)
+        # the part's symmetry with its signs left out: the magnitudes of its inputs are those of its part's programs
+        v = {**{n: p[2, part] for n, p in variants.items()}, "sign_v": torch.ones_like(variants["sign_v"][2, part]),
+             "sign_k": torch.ones_like(variants["sign_k"][2, part])}
         taken = {k: (t.index_select(0, index[2, part]).reshape(1, 32, *t.shape[1:]) if k in batched else t)
                  for k, t in pool.items()}
         assert torch.equal(x[name].abs(), op.apply_variant(taken, v)[name].abs()), name
@@ -310,6 +318,32 @@ def test_a_timed_program_mixes_parts_of_two_pool_programs(defn):
         timing.program_parts(op, [*batched, "extra"])
     whole, _ = timing.draw_calls(3, 32, 128, 9, op, axes, mix_parts=False)
     assert torch.equal(whole[:, 0], index[:, 0]) and torch.equal(whole[:, 1], whole[:, 0])
+
+
+@pytest.mark.parametrize("family", [f for f in op.FAMILIES if f not in op.INDEPENDENT_PARTS_FAMILIES])
+def test_a_timed_state_is_no_pool_programs_state_moved(defn, family):
+    """In a family whose timed programs take both parts from one pool program, the state a timed program rebuilds
+    is still not that program's state under a symmetry (whose singular values it would share): the checkpoint and
+    the window are moved apart, so the state cannot be rebuilt from the pool before the schedule."""
+    axes = axes_for(defn, 1)
+    batched, _ = runner.program_layout(defn)
+    pool = {k: timing.flat_programs(v, 2) if k in batched else v
+            for k, v in op.make_inputs(family, axes_for(defn, 2), 5).items()}
+    index, variants = timing.draw_calls(2, 32, 64, 9, op, axes, mix_parts=timing.mixes_parts(op, family))
+    assert torch.equal(index[:, 0], index[:, 1])
+    movable = timing.parts_movable(op, pool, batched, mix_parts=False)
+    x = timing.call_inputs(op, pool, set(batched), (1, 32), index, variants, 1, movable)
+    movable = movable.index_select(0, index[1, 0])
+    source = {k: (t.index_select(0, index[1, 0]).reshape(1, 32, *t.shape[1:]) if k in batched else t)
+              for k, t in pool.items()}
+    timed, ahead = (torch.linalg.svdvals(op.exact_state(y)) for y in (x, source))
+    ckpt, window = (op.exact_state(part).norm(dim=(-2, -1)) for part in (
+        {**source, "w": torch.zeros_like(source["w"])},
+        {**source, "codes": torch.zeros_like(source["codes"]), "u": torch.zeros_like(source["u"])}))
+    both = (torch.minimum(ckpt, window) > 1e-2 * torch.maximum(ckpt, window)).flatten()   # two parts of a size
+    moved = ((timed - ahead).abs().amax(-1) > 1e-3 * ahead.amax(-1)).flatten()
+    assert int((both & movable).sum()) >= 8 and bool(moved[both & movable].all()), (both, movable, moved)
+    assert not moved[~movable].any()        # heads near the domain's edge: their parts move together
 
 
 @pytest.mark.parametrize("family", op.FAMILIES)
@@ -325,7 +359,8 @@ def test_timed_programs_stay_where_the_family_puts_its_states(defn, family):
     index, variants = timing.draw_calls(4, programs.n_programs, programs.pool_programs, 11, op, axes,
                                         mix_parts=timing.mixes_parts(op, family))
     whole = op.exact_state(programs.first()).abs().amax((-2, -1)).flatten()
-    timed = op.exact_state(programs.calls(op, index, variants, 0, 4)).abs().amax((-2, -1)).flatten()
+    timed = op.exact_state(programs.calls(op, index, variants, 0, 4, timing.mixes_parts(op, family)))
+    timed = timed.abs().amax((-2, -1)).flatten()
 
     def outside(largest):       # share of heads above |S| = 1e4, or not zero and wholly below 2^-20
         return float(((largest >= 1e4) | ((largest > 0) & (largest < 2.0 ** -20))).double().mean())
@@ -340,7 +375,7 @@ def test_symmetry_maps_the_state_exactly_and_changes_the_outputs(defn, family):
     axes = axes_for(defn, 1)
     x = op.make_inputs(family, axes, 11)
     _, variants = timing.draw_calls(1, 32, 32, 3, op, axes, mix_parts=False)
-    v = {k: p[0] for k, p in variants.items()}
+    v = {k: p[0, 0] for k, p in variants.items()}
     y = op.apply_variant(x, v)
     assert all(y[k].dtype == x[k].dtype and y[k].shape == x[k].shape for k in x)
     s, sy = op.exact_state(x), op.exact_state(y)
@@ -386,15 +421,16 @@ def cpu_timing(monkeypatch) -> Settings:
     return Settings(timeout_s=120, min_calls=12, max_calls=12, pool_programs=256, bandwidth=1e12)
 
 
-def _timed_on_cpu(defn, tmp_path, name, code, settings: Settings, dps=False):
+def _timed_on_cpu(defn, tmp_path, name, code, settings: Settings, dps=False, family="random"):
     make_solution(tmp_path, name, code, dps=dps)
-    workloads = select(load_workloads(defn, PROJECT.workload_file(defn)), [1], ["random"])
+    workloads = select(load_workloads(defn, PROJECT.workload_file(defn)), [1], [family])
     return runner.evaluate(defn, load_solution(name, defn, tmp_path), workloads, "cpu", root=PROJECT.root,
                            settings=settings, timed=True, failures=tmp_path / "kept")
 
 
-def test_honest_solution_passes_the_cpu_timed_path(defn, tmp_path, cpu_timing):
-    [r] = _timed_on_cpu(defn, tmp_path, "honest", HONEST, cpu_timing)
+@pytest.mark.parametrize("family", ["random", "edge"])       # parts of two pool programs; one's, moved apart
+def test_honest_solution_passes_the_cpu_timed_path(defn, tmp_path, cpu_timing, family):
+    [r] = _timed_on_cpu(defn, tmp_path, "honest", HONEST, cpu_timing, family=family)
     assert r.status == runner.PASSED, r.log
     assert r.latency_ms > 0 and r.clock["timed_calls"] == 12 and r.fresh_seed is not None
 
@@ -421,6 +457,13 @@ LATE = {runner.INCORRECT_NUMERICAL: ("timed calls",), runner.RUNTIME_ERROR: ("ch
 def test_timing_attack_loses_on_cpu(defn, tmp_path, cpu_timing, cheat, outcomes):
     [r] = _timed_on_cpu(defn, tmp_path, cheat, CHEATS[cheat], cpu_timing)
     assert r.status in outcomes and any(m in r.log for m in outcomes[r.status]), (r.status, r.log)
+
+
+def test_the_state_cannot_be_rebuilt_ahead_where_both_parts_come_from_one_program(defn, tmp_path, cpu_timing):
+    """edge's timed programs take checkpoint and window from one pool program; moved by two symmetries, they still
+    rebuild a state that the pool did not hold (with one symmetry a call, this cheat passed)."""
+    [r] = _timed_on_cpu(defn, tmp_path, "ahead", CHEATS["rebuilds_state_ahead"], cpu_timing, family="edge")
+    assert r.status == runner.INCORRECT_NUMERICAL and "timed calls" in r.log, (r.status, r.log)
 
 
 def test_a_solution_named_null_is_timed_like_any_other(defn, tmp_path, cpu_timing, monkeypatch):

@@ -68,20 +68,26 @@ class Operator(Protocol):
         extra["program"] (the timer then keeps that batch element's inputs). yardstick: the outputs are the
         definition's reference's own, judged only where the reference is a valid yardstick of itself."""
 
-    # harness.timing: the batched inputs in groups (every one in exactly one) that a timed program of one of
-    # INDEPENDENT_PARTS_FAMILIES takes from pool programs drawn apart, one per group: work that depends on both groups
-    # cannot be done on the pool before the schedule is known, since they meet only in the timed call
+    # harness.timing: the batched inputs in groups (every one in exactly one), each moved by a symmetry of its own in
+    # a timed call, and taken from pool programs drawn apart in INDEPENDENT_PARTS_FAMILIES: work that depends on two
+    # groups cannot be done on the pool before the schedule is known, since they meet only in the timed call
     PROGRAM_PARTS: tuple[tuple[str, ...], ...]
     # the families whose parts are drawn independently inside the domain, so that any two make a program of the
-    # family; a timed program of any other family is one whole pool program (parts drawn together, such as a state
-    # scaled into the domain as a whole, leave it when mixed)
+    # family; a timed program of any other family takes all its parts from one pool program (parts drawn together,
+    # such as a state scaled into the domain as a whole, leave it when mixed)
     INDEPENDENT_PARTS_FAMILIES: frozenset[str]
 
-    def draw_variants(self, n: int, axes: dict, generator: Any) -> dict:
-        """harness.timing: the parameters of n symmetries, one per timed call, drawn from generator."""
+    def draw_variants(self, n: int, parts: int, axes: dict, generator: Any) -> dict:
+        """harness.timing: the parameters of n x parts symmetries (one for each part of each timed call, related
+        as the operator needs to keep the family's structure), drawn from generator: tensors [n, parts, ...]."""
 
     def apply_variant(self, x: dict, variant: dict) -> dict:
-        """harness.timing: the inputs x under one symmetry."""
+        """harness.timing: the inputs x (any subset of the definition's: one part's) under one symmetry."""
+
+    def parts_movable(self, x: dict) -> Any:
+        """harness.timing: per program of x (its batched inputs, any leading dims), whether its parts stay in the
+        domain whatever symmetries move them apart; where not, a timed program moves them all by one. A pure
+        function of x on one device (the worker and the harness must agree)."""
 
     def drift(self, flush: Callable, reference: Callable, axes: dict, windows: int, seed: int,
               device: Any = "cpu") -> Iterator[dict]:

@@ -18,7 +18,7 @@ from harness.ops.leapquant_kda_flush.drift import DRIFT_LIMIT, drift
 from harness.ops.leapquant_kda_flush.exact import decay_history, decode_checkpoint, exact_state
 from harness.ops.leapquant_kda_flush.families import (CALL_GRAMMAR, EDGE_KINDS, FAMILIES, FAMILY_BATCH_SIZES,
                                                       INDEPENDENT_PARTS_FAMILIES, PROGRAM_GRAMMAR, STRESS_FAMILY,
-                                                      edge_kinds, make_inputs)
+                                                      edge_kinds, make_inputs, parts_movable)
 from harness.ops.leapquant_kda_flush.layout import (CHECKPOINT, DTYPES, DUE_EVERY, EPS, POOL_CALL_ARGS, PROGRAM_PARTS,
                                                     QMAX, WINDOW, WINDOW_RESET)
 from harness.ops.leapquant_kda_flush.pool import (CHECKPOINT_BYTES, POOL_HEADER, POOL_OFFSETS, POOL_REGION,
@@ -50,4 +50,5 @@ __all__ = ["CALL_GRAMMAR", "CHECKPOINT", "CHECKPOINT_BYTES", "DRIFT_LIMIT", "DTY
            "EPS", "EXACT_CAP", "EXACT_HEAD", "FAMILIES", "FAMILY_BATCH_SIZES", "INDEPENDENT_PARTS_FAMILIES", "POOL_CALL_ARGS", "POOL_HEADER",
            "POOL_OFFSETS", "POOL_REGION", "POOL_REGIONS_PER_SLOT", "PROGRAM_GRAMMAR", "Pool", "QMAX", "RATIO_LIMIT",
            "STRESS_FAMILY", "WINDOW", "WINDOW_RESET", "WORDING", "apply_variant", "check_idx", "decay_history",
-           "decode_checkpoint", "draw_variants", "drift", "edge_kinds", "exact_state", "judge", "make_inputs"]
+           "decode_checkpoint", "draw_variants", "drift", "edge_kinds", "exact_state", "judge", "make_inputs",
+           "parts_movable"]

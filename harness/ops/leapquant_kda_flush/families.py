@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from harness.ops.leapquant_kda_flush.draws import Draws, exact_exp, ordered_matmul, ordered_sum
-from harness.ops.leapquant_kda_flush.exact import exact_state, flush_fp64, mgs2
+from harness.ops.leapquant_kda_flush.exact import decay_history, exact_state, flush_fp64, mgs2
 from harness.ops.leapquant_kda_flush.layout import CHECKPOINT, DTYPES, EPS, WINDOW, WINDOW_RESET, cast, dims
 
 FAMILIES = ("edge", "second_window", "random", "trajectory", "stress")
@@ -14,7 +14,8 @@ FAMILY_BATCH_SIZES = {"stress": (1, 16, 64, 256)}
 # of the family make one of its programs. The others draw them together: an edge head's kind and a stress head's
 # degeneracies span both, and a stress head is scaled into the domain as a whole (_within_format), so a stress
 # checkpoint with another head's window can leave it (states below 2^-20, on which the reference's own Gram-Schmidt
-# returns non-finite tokens), as an edge one can pass |S| = 1e4
+# returns non-finite tokens), as an edge one can pass |S| = 1e4; one program's parts under two symmetries keep their
+# scales, and so the domain (the timer moves them apart in every family)
 INDEPENDENT_PARTS_FAMILIES = frozenset({"random", "trajectory"})
 EDGE_KINDS = ("generic", "rank1", "rank2", "zero", "tiny", "tinier", "huge", "hot_row", "decayed", "no_decay",
               "split_decades")
@@ -191,6 +192,24 @@ STATE_MIN = 2.0 ** -20                                      # the domain's small
 COLUMN_NORM_MAX = 2.0 ** 15                                 # bounds |u| = |S^T q| below fp16's 65504
 TOTAL_DECAY_PCUM = -2000.0
 TOTAL_DECAY_GATE = 2.0 ** -24                               # fp16's smallest positive value: gbuf stays in (0, 1]
+
+
+def parts_movable(x: dict) -> torch.Tensor:
+    """Per program (x's leading dims), whether its checkpoint and window stay in the domain however the timer moves
+    them apart (each part under a signed permutation of its own): bounds on each part's largest entry and largest
+    column 2-norm, summed, below STATE_MAX and COLUMN_NORM_MAX. Where not (heads built near the domain's edge, which a
+    new relative position of the parts can carry past it), both parts move together. Elementwise products, maxima
+    and short sums in fp64: the same answer in the worker and the harness on one device."""
+    decay = torch.exp(x["pcum"].double())
+    s_k = x["s_k"].double() * decay
+    q, u = x["q"].double().abs(), x["u"].double().abs() * decay[..., None, :]
+    ubuf = x["ubuf"].double().abs()
+    kd = x["kbuf"].double().abs() * decay_history(x["gbuf"].double()) * x["w"].double().abs()[..., None]
+    entry = (x["s_v"].double().amax(-1) * s_k.amax(-1) + (q.amax(-1) * u.amax(-1)).sum(-1)
+             + (ubuf.amax(-1) * kd.amax(-1)).sum(-1))
+    column = (x["s_v"].double().norm(dim=-1) * s_k.amax(-1) + (q.norm(dim=-1) * u.amax(-1)).sum(-1)
+              + (ubuf.norm(dim=-1) * kd.amax(-1)).sum(-1))
+    return (entry < STATE_MAX) & (column < COLUMN_NORM_MAX)
 
 
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,9 @@ QMAX = 127.0
 EPS = 1e-12
 CHECKPOINT = ("codes", "s_k", "s_v", "u", "q")
 WINDOW = ("kbuf", "ubuf", "gbuf", "w", "pcum")
-# a timed program of a family whose parts are independent (families.INDEPENDENT_PARTS_FAMILIES) takes its checkpoint
-# and its window from different pool programs: the state they rebuild (which needs no q0, and so follows the
-# symmetries exactly) exists only once the schedule says which two meet
+# each part of a timed program is moved by a symmetry (symmetries.draw_variants), and in a family whose parts are
+# independent (families.INDEPENDENT_PARTS_FAMILIES) taken from a pool program of its own: the state they rebuild
+# (which needs no q0, and so follows the symmetries exactly) exists only once the schedule says how the two meet
 PROGRAM_PARTS = (CHECKPOINT, WINDOW)
 WINDOW_RESET = {"w": 0.0, "pcum": 0.0, "gbuf": 1.0}    # what the deployment form writes after a flush
 DUE_EVERY = "window"                                  # a sequence flushes when its window is full
