@@ -308,10 +308,13 @@ class Programs:
         return {k: (v[:self.n_programs].reshape(*self.unit, *v.shape[1:]) if k in self.batched else v)
                 for k, v in self.flat.items()}
 
-    def calls(self, op, index: torch.Tensor, variants: dict, first: int, count: int, mix_parts: bool) -> dict:
+    def movable(self, op, mix_parts: bool) -> torch.Tensor:
+        """timing.call_inputs' `movable` for this pool."""
+        return timing.parts_movable(op, self.flat, self.batched, mix_parts)
+
+    def calls(self, op, index: torch.Tensor, variants: dict, movable: torch.Tensor, first: int, count: int) -> dict:
         """The inputs of timed calls first .. first + count - 1 (timing.call_inputs), concatenated along the first
         dim."""
-        movable = timing.parts_movable(op, self.flat, self.batched, mix_parts)
         calls = [timing.call_inputs(op, self.flat, self.batched, self.unit, index, variants, k, movable)
                  for k in range(first, first + count)]
         return {k: (torch.cat([c[k] for c in calls]) if k in self.batched else v) for k, v in self.flat.items()}
@@ -655,9 +658,10 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
         slots = shared.views(m.outputs.tensor, output_specs(defn, axes), n_calls)
         chunk = max(1, JUDGED_PROGRAMS // n)
         reference = defn.reference_run()
+        movable = programs.movable(op, mix_parts)
         for first in range(0, n_calls, chunk):
             count = min(chunk, n_calls - first)
-            inputs = programs.calls(op, index, variants, first, count, mix_parts)
+            inputs = programs.calls(op, index, variants, movable, first, count)
             outs = tuple(torch.cat([slots[k][j] for k in range(first, first + count)]).to(device)
                          for j in range(len(defn.outputs)))
             verdict = op.judge(inputs, outs, reference(**inputs), defn.reference, yardstick=is_reference(worker.sol))

@@ -12,8 +12,9 @@ Where each piece runs, and why a solution cannot bend the figure:
   mixed), and under which of the operator's symmetries each part (for this operator a signed permutation of the
   value and of the key axis, exact in every dtype, which maps a part's share of the state S to D_v P_v S P_k D_k
   and changes every output; the parts' differ on the value axis, so even one program's parts meet in a relative
-  position no pool program had). So no timed call holds a program that existed before its seed arrived: nothing can be looked
-  up, and nothing that needs two parts computed ahead. Call k
+  position no pool program had, except where the operator's parts_movable says that would leave the domain). So no
+  timed call holds a program that existed before its seed arrived: nothing can be looked up, and nothing that needs
+  two parts computed ahead. Call k
   replays a captured preparation (keep call k - 1's outputs, refill the input set, poison the outputs with NaN or
   the integer minimum, flush the L2 with a write twice its size), then the solution's graph between two CUDA
   events.

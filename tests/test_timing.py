@@ -359,7 +359,8 @@ def test_timed_programs_stay_where_the_family_puts_its_states(defn, family):
     index, variants = timing.draw_calls(4, programs.n_programs, programs.pool_programs, 11, op, axes,
                                         mix_parts=timing.mixes_parts(op, family))
     whole = op.exact_state(programs.first()).abs().amax((-2, -1)).flatten()
-    timed = op.exact_state(programs.calls(op, index, variants, 0, 4, timing.mixes_parts(op, family)))
+    timed = op.exact_state(programs.calls(op, index, variants, programs.movable(op, timing.mixes_parts(op, family)),
+                                          0, 4))
     timed = timed.abs().amax((-2, -1)).flatten()
 
     def outside(largest):       # share of heads above |S| = 1e4, or not zero and wholly below 2^-20

@@ -46,9 +46,9 @@ WORDING = Wording(
                      "ranked ones are: a time below 0.9x the floor is refused, any other is taken as reported.",
 )
 
-__all__ = ["CALL_GRAMMAR", "CHECKPOINT", "CHECKPOINT_BYTES", "DRIFT_LIMIT", "DTYPES", "DUE_EVERY", "EDGE_KINDS",
-           "EPS", "EXACT_CAP", "EXACT_HEAD", "FAMILIES", "FAMILY_BATCH_SIZES", "INDEPENDENT_PARTS_FAMILIES", "POOL_CALL_ARGS", "POOL_HEADER",
-           "POOL_OFFSETS", "POOL_REGION", "POOL_REGIONS_PER_SLOT", "PROGRAM_GRAMMAR", "Pool", "QMAX", "RATIO_LIMIT",
-           "STRESS_FAMILY", "WINDOW", "WINDOW_RESET", "WORDING", "apply_variant", "check_idx", "decay_history",
-           "decode_checkpoint", "draw_variants", "drift", "edge_kinds", "exact_state", "judge", "make_inputs",
-           "parts_movable"]
+__all__ = ["CALL_GRAMMAR", "CHECKPOINT", "CHECKPOINT_BYTES", "DRIFT_LIMIT", "DTYPES", "DUE_EVERY", "EDGE_KINDS", "EPS",
+           "EXACT_CAP", "EXACT_HEAD", "FAMILIES", "FAMILY_BATCH_SIZES", "INDEPENDENT_PARTS_FAMILIES", "POOL_CALL_ARGS",
+           "POOL_HEADER", "POOL_OFFSETS", "POOL_REGION", "POOL_REGIONS_PER_SLOT", "PROGRAM_GRAMMAR", "Pool", "QMAX",
+           "RATIO_LIMIT", "STRESS_FAMILY", "WINDOW", "WINDOW_RESET", "WORDING", "apply_variant", "check_idx",
+           "decay_history", "decode_checkpoint", "draw_variants", "drift", "edge_kinds", "exact_state", "judge",
+           "make_inputs", "parts_movable"]

@@ -15,7 +15,7 @@ FAMILY_BATCH_SIZES = {"stress": (1, 16, 64, 256)}
 # degeneracies span both, and a stress head is scaled into the domain as a whole (_within_format), so a stress
 # checkpoint with another head's window can leave it (states below 2^-20, on which the reference's own Gram-Schmidt
 # returns non-finite tokens), as an edge one can pass |S| = 1e4; one program's parts under two symmetries keep their
-# scales, and so the domain (the timer moves them apart in every family)
+# scales, and so the domain, unless built at its edge (the timer moves them apart in every family, parts_movable)
 INDEPENDENT_PARTS_FAMILIES = frozenset({"random", "trajectory"})
 EDGE_KINDS = ("generic", "rank1", "rank2", "zero", "tiny", "tinier", "huge", "hot_row", "decayed", "no_decay",
               "split_decades")
@@ -196,9 +196,10 @@ TOTAL_DECAY_GATE = 2.0 ** -24                               # fp16's smallest po
 
 def parts_movable(x: dict) -> torch.Tensor:
     """Per program (x's leading dims), whether its checkpoint and window stay in the domain however the timer moves
-    them apart (each part under a signed permutation of its own): bounds on each part's largest entry and largest
-    column 2-norm, summed, below STATE_MAX and COLUMN_NORM_MAX. Where not (heads built near the domain's edge, which a
-    new relative position of the parts can carry past it), both parts move together. Elementwise products, maxima
+    them apart (symmetries.draw_variants: each part's value axis under a permutation of its own): bounds on each
+    part's largest entry and largest column 2-norm, summed, below STATE_MAX and COLUMN_NORM_MAX. Where not (heads
+    built near the domain's edge, which a new relative position of the parts can carry past it), both parts move
+    together. Elementwise products, maxima
     and short sums in fp64: the same answer in the worker and the harness on one device."""
     decay = torch.exp(x["pcum"].double())
     s_k = x["s_k"].double() * decay

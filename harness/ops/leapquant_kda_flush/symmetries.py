@@ -10,7 +10,8 @@ import torch
 # dtype (a permutation moves values, a sign flip of an int8 code in [-127, 127] or of a float is exact), and a part's
 # share of the state S to D_v P_v S P_k D_k. q0 stays fixed, so the subspace iteration starts elsewhere relative to
 # the state and every output changes, and the checkpoint and the window, moved apart on the value axis, rebuild a
-# state no pool program had: no output can be derived from an earlier call's, nor the state from the pool's, without the work.
+# state no pool program had: no output can be derived from an earlier call's, nor the state from the pool's,
+# without the work.
 def draw_variants(n: int, parts: int, axes: dict, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Parameters of n x parts random signed permutations, [n, parts, ...]: perm_v [V], perm_k [K] (int64), sign_v
     [V], sign_k [K] (+-1, int8). The parts of one call share the key axis's (the decay pcum, in the window part,
