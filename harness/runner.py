@@ -567,6 +567,51 @@ def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_
         _time_one(defn, op, worker, pristine, programs, result, settings, calibration, failures)
 
 
+def _timed_loop(defn, op, worker: Worker, pristine: dict, programs: Programs, result: Result, settings: Settings,
+               failures: Path | None) -> tuple[list[float] | None, dict | None]:
+    """One timed loop (_timed_measure) on calls drawn from a schedule seed of its own, every call's outputs judged:
+    (its latencies, its clock record), or (None, None) with the result's status and log set."""
+    axes = defn.resolve_axes(result.workload.axes)
+    batched, n_prefix = program_layout(defn)
+    n, n_calls = programs.n_programs, settings.timed_calls(programs.n_programs)
+    mix_parts = timing.mixes_parts(op, result.workload.family)
+    m = _timed_measure(defn, worker, pristine, programs.pool, axes, batched, n_prefix, n_calls,
+                       settings.warmup_replays, mix_parts)
+    if m.status != "ok":
+        result.status, result.log = m.status, f"while timing: {m.reply}"
+        return None, None
+    try:
+        latencies, loop_ms = _times(m.reply.get("latencies_ms"), n_calls), _times(m.reply.get("loop_ms"), 2)
+        if latencies is None or loop_ms is None:
+            result.status, result.log = RUNTIME_ERROR, "while timing: the reply holds no valid latencies"
+            return None, None
+        device = next(iter(programs.pool.values())).device
+        index, variants = timing.draw_calls(n_calls, n, programs.pool_programs, m.seed, op, axes, device,
+                                            mix_parts=mix_parts)
+        slots = shared.views(m.outputs.tensor, output_specs(defn, axes), n_calls)
+        chunk = max(1, JUDGED_PROGRAMS // n)
+        reference = defn.reference_run()
+        movable = programs.movable(op, mix_parts)
+        for first in range(0, n_calls, chunk):
+            count = min(chunk, n_calls - first)
+            inputs = programs.calls(op, index, variants, movable, first, count)
+            outs = tuple(torch.cat([slots[k][j] for k in range(first, first + count)]).to(device)
+                         for j in range(len(defn.outputs)))
+            verdict = op.judge(inputs, outs, reference(**inputs), defn.reference, yardstick=is_reference(worker.sol))
+            if not verdict.passed:
+                # the schedule seed with the run seed (in the trace) rebuilds these calls' inputs on this device's
+                # generator (timing.draw_calls); the failing element's inputs are kept for any other machine
+                kept = _keep_failing_inputs(inputs, verdict, batched, failures,
+                                            f"{result.solution}_{result.workload.uuid[:8]}_{m.seed}")
+                result.status, result.log = INCORRECT_NUMERICAL, f"timed calls {first}-{first + count - 1}: " \
+                                                                 f"{verdict.reason} (schedule seed {m.seed}{kept})"
+                return None, None
+    finally:
+        m.outputs.close()
+    return latencies, {"timed_calls": n_calls, "wall_ms": m.wall_ms, "reported_ms": sum(latencies),
+                       "worker_loop_ms": loop_ms}
+
+
 def _keep_failing_inputs(inputs: dict, verdict: Verdict, batched, folder: Path | None, stem: str) -> str:
     """Write the inputs of the batch element that holds the verdict's failing program (extra["program"]) to
     folder/stem.safetensors; what the log adds to say where ("" when there is nothing to keep)."""
@@ -637,52 +682,26 @@ def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: s
 def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, result: Result, settings: Settings,
               calibration: Calibration, failures: Path | None = None) -> None:
     """Time the solution on fresh programs, judge every timed call's outputs, and refuse a median that the
-    harness's clock or the memory floor contradicts."""
+    harness's clock (on settings.clock_attempts loops, each on calls of its own) or the memory floor contradicts."""
     axes = defn.resolve_axes(result.workload.axes)
     batched, n_prefix = program_layout(defn)
-    n, n_calls = programs.n_programs, settings.timed_calls(programs.n_programs)
-    mix_parts = timing.mixes_parts(op, result.workload.family)
-    m = _timed_measure(defn, worker, pristine, programs.pool, axes, batched, n_prefix, n_calls,
-                       settings.warmup_replays, mix_parts)
-    if m.status != "ok":
-        result.status, result.log = m.status, f"while timing: {m.reply}"
-        return
-    try:
-        latencies, loop_ms = _times(m.reply.get("latencies_ms"), n_calls), _times(m.reply.get("loop_ms"), 2)
-        if latencies is None or loop_ms is None:
-            result.status, result.log = RUNTIME_ERROR, "while timing: the reply holds no valid latencies"
-            return
-        device = next(iter(programs.pool.values())).device
-        index, variants = timing.draw_calls(n_calls, n, programs.pool_programs, m.seed, op, axes, device,
-                                            mix_parts=mix_parts)
-        slots = shared.views(m.outputs.tensor, output_specs(defn, axes), n_calls)
-        chunk = max(1, JUDGED_PROGRAMS // n)
-        reference = defn.reference_run()
-        movable = programs.movable(op, mix_parts)
-        for first in range(0, n_calls, chunk):
-            count = min(chunk, n_calls - first)
-            inputs = programs.calls(op, index, variants, movable, first, count)
-            outs = tuple(torch.cat([slots[k][j] for k in range(first, first + count)]).to(device)
-                         for j in range(len(defn.outputs)))
-            verdict = op.judge(inputs, outs, reference(**inputs), defn.reference, yardstick=is_reference(worker.sol))
-            if not verdict.passed:
-                # the schedule seed with the run seed (in the trace) rebuilds these calls' inputs on this device's
-                # generator (timing.draw_calls); the failing element's inputs are kept for any other machine
-                kept = _keep_failing_inputs(inputs, verdict, batched, failures,
-                                            f"{result.solution}_{result.workload.uuid[:8]}_{m.seed}")
-                result.status, result.log = INCORRECT_NUMERICAL, f"timed calls {first}-{first + count - 1}: " \
-                                                                 f"{verdict.reason} (schedule seed {m.seed}{kept})"
-                return
-    finally:
-        m.outputs.close()
+    n_calls = settings.timed_calls(programs.n_programs)
     null_wall, null_call = calibration.null_loop(axes, n_calls, programs.pool_programs)
-    result.clock = {"timed_calls": n_calls, "wall_ms": m.wall_ms, "null_wall_ms": null_wall,
-                    "null_call_ms": null_call, "reported_ms": sum(latencies), "worker_loop_ms": loop_ms,
-                    "null_worker_loop_ms": calibration.loops.get(_key(axes, n_calls, programs.pool_programs))}
-    refused = timing.clock_disagreement(latencies, m.wall_ms, null_wall, null_call)
+    refusals = []
+    for _ in range(settings.clock_attempts):
+        latencies, clock = _timed_loop(defn, op, worker, pristine, programs, result, settings, failures)
+        if latencies is None:
+            return
+        clock.update(null_wall_ms=null_wall, null_call_ms=null_call,
+                     null_worker_loop_ms=calibration.loops.get(_key(axes, n_calls, programs.pool_programs)))
+        refused = timing.clock_disagreement(latencies, clock["wall_ms"], null_wall, null_call)
+        if not refused:
+            break
+        refusals.append(refused)
     if refused:
-        result.status, result.log = RUNTIME_ERROR, f"timing refused: {refused}"
+        result.status, result.log = RUNTIME_ERROR, f"timing refused ({len(refusals)} loops): {refusals[0]}"
         return
+    result.clock = {**clock, "refused_loops": refusals}
     result.latency_ms = statistics.median(latencies)
     result.floor_ms = floor_ms(defn, axes, settings.bandwidth)
     if result.latency_ms < timing.IMPOSSIBLE_FRACTION * result.floor_ms:

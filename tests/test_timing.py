@@ -460,6 +460,22 @@ def test_timing_attack_loses_on_cpu(defn, tmp_path, cpu_timing, cheat, outcomes)
     assert r.status in outcomes and any(m in r.log for m in outcomes[r.status]), (r.status, r.log)
 
 
+def test_a_refusal_stands_only_when_every_timed_loop_disagrees_with_the_clock(defn, tmp_path, cpu_timing,
+                                                                              monkeypatch):
+    """A hiccup of the harness's own clock on one loop is timed again on calls of their own (and recorded); a
+    disagreement on every loop is refused."""
+    check = timing.clock_disagreement
+    hiccups = iter(["a hiccup"])
+    monkeypatch.setattr(timing, "clock_disagreement", lambda *a, **k: next(hiccups, None) or check(*a, **k))
+    [r] = _timed_on_cpu(defn, tmp_path, "honest", HONEST, cpu_timing)
+    assert r.status == runner.PASSED and r.clock["refused_loops"] == ["a hiccup"], (r.status, r.log)
+    [r] = _timed_on_cpu(defn, tmp_path, "honest_one_loop", HONEST, cpu_timing.replace(clock_attempts=1))
+    assert r.status == runner.PASSED and r.clock["refused_loops"] == [], (r.status, r.log)
+    monkeypatch.setattr(timing, "clock_disagreement", lambda *a, **k: "disagrees")
+    [r] = _timed_on_cpu(defn, tmp_path, "honest_refused", HONEST, cpu_timing)
+    assert r.status == runner.RUNTIME_ERROR and r.log == "timing refused (2 loops): disagrees", (r.status, r.log)
+
+
 def test_the_state_cannot_be_rebuilt_ahead_where_both_parts_come_from_one_program(defn, tmp_path, cpu_timing):
     """edge's timed programs take checkpoint and window from one pool program; moved by two symmetries, they still
     rebuild a state that the pool did not hold (with one symmetry a call, this cheat passed)."""
