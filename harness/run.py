@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import tempfile
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -132,6 +133,30 @@ def table(results: list[Result], op: Operator, unloadable: list[tuple[str, str]]
 def _failed_to_load(solution: str, results: list[Result]) -> bool:
     mine = [r for r in results if r.solution == solution]
     return bool(mine) and all(r.status == COMPILE_ERROR for r in mine)
+
+
+class _Recorder:
+    """on_result of one solution's run: reports each result (`progress`) and merges its trace into trace_root (None:
+    no traces) as it arrives, so that a run cut short keeps the workloads it finished. Results may arrive from
+    several threads (a run over several GPUs)."""
+
+    def __init__(self, trace_root: Path | None, env: dict, reference_ms: dict, is_reference: bool, progress):
+        self.trace_root, self.env, self.reference_ms, self.is_reference = trace_root, env, reference_ms, is_reference
+        self.progress, self.lock = progress, threading.Lock()
+        self.written: set[Path] = set()
+        self.error: str | None = None
+
+    def __call__(self, r: Result) -> None:
+        with self.lock:
+            self.progress(r)
+            if self.trace_root is None or self.error:
+                return
+            reference = r.latency_ms if self.is_reference else self.reference_ms.get(r.workload.uuid)
+            try:
+                self.written.update(traces.write_traces([traces.trace_record(r, self.env, reference, r.sha256)],
+                                                        self.trace_root))
+            except HarnessError as e:
+                self.error = str(e)
 
 
 def _progress(solution: str, total: int, score_label: str):
@@ -261,23 +286,21 @@ def execute(args: argparse.Namespace) -> int:
             if others:
                 print(f"WARNING: other processes use the GPU while {sol.name} is timed: {others}", flush=True)
         progress = _progress(sol.name, len(todo), op.WORDING.score_label)
+        recorder = _Recorder(trace_root, env, reference_ms, sol.name == REFERENCE, progress)
         if local:
             done = evaluate_over(slots, calibrations, defn, sol, todo, device, root=root, settings=settings,
                                  hide=(project.root,), timed=timed, run_seed=run_seed, keep_going=args.keep_going,
-                                 on_result=progress, failures=project.stress_failures / "_timed_calls")
+                                 on_result=recorder, failures=project.stress_failures / "_timed_calls")
         else:
             done = cluster.evaluate_on_cluster(cluster_slots, project, defn, sol, todo, device, workload_file,
-                                               settings, run_seed, timed, args.keep_going, progress)
+                                               settings, run_seed, timed, args.keep_going, recorder)
         if sol.name == REFERENCE:
             reference_ms.update({r.workload.uuid: r.latency_ms for r in done})
-        if trace_root is not None:
-            records = [traces.trace_record(r, env, reference_ms.get(r.workload.uuid), r.sha256) for r in done]
-            try:
-                for path in traces.write_traces(records, trace_root):
-                    print(f"  wrote {path}", flush=True)
-            except HarnessError as e:       # a full disk: this solution's records are lost, not the others'
-                print(f"{cli.cell(sol.name)}: traces not written: {e}", flush=True)
-                unwritten.append(sol.name)
+        for path in sorted(recorder.written):
+            print(f"  wrote {path}", flush=True)
+        if recorder.error:                  # a full disk: this solution's later records are lost, not the others'
+            print(f"{cli.cell(sol.name)}: traces not written: {recorder.error}", flush=True)
+            unwritten.append(sol.name)
         results += done
     for name, log in unloadable:
         print(f"{cli.cell(name)}: {COMPILE_ERROR}: {log}", flush=True)

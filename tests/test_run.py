@@ -65,6 +65,18 @@ def test_cpu_run_writes_traces_when_asked(tmp_path, defn, capsys):
     assert "torch_v1.jsonl:1: field 'evaluation.status'" in capsys.readouterr().err
 
 
+def test_a_run_writes_each_trace_as_its_workload_finishes(tmp_path, monkeypatch):
+    """A run cut short (a time limit, a lost machine) keeps the traces of the workloads it finished."""
+    from harness import traces
+    written, write = [], traces.write_traces
+    monkeypatch.setattr(traces, "write_traces", lambda records, root: written.append(len(records)) or
+                        write(records, root))
+    assert run.main(["--solution", "torch_v1", "--device", "cpu", "--batch-sizes", "1", "--families", "random,edge",
+                     "--traces", str(tmp_path)]) == 0
+    assert written == [1, 1]
+    assert len((tmp_path / DEFINITION / "torch_v1.jsonl").read_text().splitlines()) == 2
+
+
 def test_table_shows_the_floor_and_the_ratio_when_timed():
     from harness.runner import Result
     from harness.workloads import Workload
