@@ -27,8 +27,11 @@ status=0
 for solution in "$@"; do
   start=$(mktemp)
   SECONDS=0
-  # shellcheck disable=SC2086  # RUN_ARGS: more harness.run flags, e.g. RUN_ARGS="--batch-sizes 1,16"
-  python3 -m harness.run --device cuda --solution "$solution" ${RUN_ARGS:-} 2>&1 | tee -a "$OUT/run.log"
+  # RUN_ARGS: more harness.run flags, e.g. RUN_ARGS="--batch-sizes 1,16"; RUN_TIMEOUT: seconds a run may take
+  # (a run cut short keeps the traces of the workloads it finished, and they are copied below)
+  # shellcheck disable=SC2086
+  ${RUN_TIMEOUT:+timeout "$RUN_TIMEOUT"} python3 -m harness.run --device cuda --solution "$solution" ${RUN_ARGS:-} 2>&1 \
+    | tee -a "$OUT/run.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   # copied now as well as after the search, so that a call cut short during the search keeps the run's traces
   find traces stress_failures -type f -newer "$start" -exec cp --parents {} "$OUT/" \; 2>/dev/null
