@@ -363,6 +363,28 @@ def test_a_head_where_the_tokens_fp16_rounding_decides_is_measured_against_the_r
     assert not verdict.passed and 1.01 < verdict.score < 1.02, verdict.reason
 
 
+def test_a_head_whose_start_is_rank_deficient_is_measured_against_the_exact_arithmetic(defn):
+    """On this head S^T q0 has rank 3 while the state has rank 5: in exact arithmetic the fourth column's remainder
+    is zero and the reference's token a zero one, in fp32 it is rounding normalised into an arbitrary direction whose
+    luck decides the error. A kernel that makes it a zero token is 2x the fp32 reference's error and passes against
+    the exact arithmetic's ordering; worse than that still fails."""
+    from safetensors.torch import load_file
+
+    from harness.ops.leapquant_kda_flush import criterion
+    x = load_file(PROJECT.root / "tests" / "data" / "dependent_start_head.safetensors")
+    x = {k: x[k] for k in defn.inputs}
+    name = "exact: fp64, a dependent column a zero token"
+    exact = criterion.ordering_run(defn.reference, criterion.ORDERINGS[name], name)(**x)
+    candidate = tuple(t.to(dt) for t, dt in zip(exact, [t.dtype for t in defn.reference_run()(**x)]))
+    assert int((candidate[4][0, 0].abs().sum(-1) == 0).sum()) == 1          # one zero token
+    ref = defn.reference_run()(**x)
+    plain = op.judge(x, candidate, ref)
+    assert not plain.passed and plain.score > 1.5, plain.reason
+    assert op.judge(x, candidate, ref, defn.reference).passed
+    worse = candidate[:3] + (candidate[3] * 1.01, candidate[4])
+    assert not op.judge(x, worse, ref, defn.reference).passed
+
+
 def test_every_ordering_applies_to_the_reference_and_an_edit_that_does_not_is_refused(defn):
     from harness.ops.leapquant_kda_flush.criterion import ORDERINGS, ordering_run, orderings
     assert len(orderings(defn.reference)) == len(ORDERINGS)

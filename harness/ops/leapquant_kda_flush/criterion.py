@@ -45,6 +45,25 @@ ORDERINGS = {
                                    ('"bhj,bhjv,bhjk->bhvk", w,', '"bhj,bhjv,bhjk->bhvk", w.double(),'),
                                    ("torch.exp(pcum)", "torch.exp(pcum.double())")],
 }
+# In exact arithmetic a column of S^T q0 (or S qk) that depends on the earlier ones leaves a zero remainder, which the
+# reference's clamped norm makes a zero token; in fp32 (and fp64) the remainder is rounding, normalised into a token
+# along an arbitrary direction whose luck decides the error (a rank-5 state whose S^T q0 has rank 3: the reference
+# in fp64 at 0.88 of its fp32 error, a kernel at 1.26). This ordering is the exact arithmetic's: fp64, and a zero
+# token where a column's remainder is below DEPENDENT_FP64 of the column (fp64 rounding is ~2^-53 of it; any
+# remainder an fp32 flush can resolve is above 2^-24).
+DEPENDENT_FP64 = 2.0 ** -40
+ORDERINGS["exact: fp64, a dependent column a zero token"] = [*ORDERINGS["fp64 up to the fp16 tokens"], (
+    "        v = m[..., j]\n"
+    "        for _ in range(2):\n"
+    "            for c in cols:\n"
+    "                v = v - c * (c * v).sum(-1, keepdim=True)\n"
+    "        cols.append(v / v.norm(dim=-1, keepdim=True).clamp_min(1e-30))",
+    "        v = column = m[..., j]\n"
+    "        for _ in range(2):\n"
+    "            for c in cols:\n"
+    "                v = v - c * (c * v).sum(-1, keepdim=True)\n"
+    f"        dependent = v.norm(dim=-1, keepdim=True) <= column.norm(dim=-1, keepdim=True) * {DEPENDENT_FP64!r}\n"
+    "        cols.append(torch.where(dependent, 0.0, v / v.norm(dim=-1, keepdim=True).clamp_min(1e-30)))")]
 
 
 # Token rounding: the reference rounds its fp32 tokens to the nearest fp16. Another order of the same math holds
