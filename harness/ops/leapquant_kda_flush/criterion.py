@@ -175,8 +175,8 @@ def judge(inputs: dict, outputs, reference_outputs, reference_code: str | None =
     """docs/operator.md's criterion on the decoded state; outputs are in definition order, shapes and dtypes checked. A
     failed verdict names the first failing head in its reason, the kind of failure in extra["failure"] and the
     head's index over the program axes in extra["program"]. With the definition's `reference_code`, a head over the
-    ratio is measured again against the most lenient of the reference's equivalent orderings (ORDERINGS) before it
-    fails. yardstick: the outputs are the definition's reference's own (its code run as a solution, for its times):
+    ratio is measured again against the most lenient of the reference's equivalent orderings (ORDERINGS) and of the
+    reference rounding its tokens as the candidate did (TOKEN_ROUNDING) before it fails. yardstick: the outputs are the definition's reference's own (its code run as a solution, for its times):
     on heads where the reference, run here, breaks (invalid_heads) it has no yardstick, so they are counted
     (reference_broken_heads), not failed; a candidate's output is held to BROKEN_CAP there instead."""
     names = ("codes_new", "s_k_new", "s_v_new", "u_new", "q_new")
