@@ -684,7 +684,6 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
     """Time the solution on fresh programs, judge every timed call's outputs, and refuse a median that the
     harness's clock (on settings.clock_attempts loops, each on calls of its own) or the memory floor contradicts."""
     axes = defn.resolve_axes(result.workload.axes)
-    batched, n_prefix = program_layout(defn)
     n_calls = settings.timed_calls(programs.n_programs)
     null_wall, null_call = calibration.null_loop(axes, n_calls, programs.pool_programs)
     refusals = []

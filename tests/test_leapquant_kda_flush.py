@@ -356,9 +356,10 @@ def test_a_head_where_the_tokens_fp16_rounding_decides_is_measured_against_the_r
     worse = out[:3] + (out[3] * 1.001, out[4])
     assert not op.judge(x, worse, ref, defn.reference).passed
     tokens = {name: ref[i] for name, i in criterion.TOKEN_OUTPUTS.items()}
-    again = criterion._rounded_as(x, defn.reference, tokens)(**x)
+    fp32 = [unrounded for _, unrounded in criterion._ordering_runs(x, defn.reference)]
+    again = criterion._rounded_as(defn.reference, tokens, fp32)(**x)
     assert all(torch.equal(a, b) for a, b in zip(again, ref))
-    monkeypatch.setattr(criterion, "_rounded_as", lambda inputs, code, candidate: defn.reference_run())
+    monkeypatch.setattr(criterion, "_rounded_as", lambda code, candidate, fp32: defn.reference_run())
     verdict = op.judge(x, out, ref, defn.reference)
     assert not verdict.passed and 1.01 < verdict.score < 1.02, verdict.reason
 

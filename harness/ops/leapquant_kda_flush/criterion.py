@@ -97,15 +97,30 @@ def ordering_run(code: str, edits: list[tuple[str, str]], name: str, tokens: Cal
 
 
 @functools.lru_cache(maxsize=4)
-def orderings(code: str) -> tuple[Callable, ...]:
-    """The runs of every ordering that applies to this reference code (compiled once per code)."""
-    runs = []
+def orderings(code: str) -> tuple[str, ...]:
+    """The names of the ORDERINGS whose edits apply to this reference code (checked once per code)."""
+    names = []
     for name, edits in ORDERINGS.items():
         try:
-            runs.append(ordering_run(code, edits, name))
+            ordering_run(code, edits, name)
         except ValueError:
             continue
-    return tuple(runs)
+        names.append(name)
+    return tuple(names)
+
+
+def _ordering_runs(inputs: dict, code: str) -> list[tuple[tuple, dict]]:
+    """(outputs, fp32 tokens by output name) of the reference and of every ordering that applies, the reference's
+    first: each rounds its tokens to the nearest fp16 as the reference does, and keeps them unrounded too."""
+    runs = []
+    for name in ("reference", *orderings(code)):
+        fp32 = {}
+
+        def nearest(token: str, value: torch.Tensor, fp32=fp32) -> torch.Tensor:
+            fp32[token] = value.float()
+            return value.to(torch.float16)
+        runs.append((ordering_run(code, ORDERINGS.get(name, []), name, nearest)(**inputs), fp32))
+    return runs
 
 
 def _most_lenient(inputs: dict, state: torch.Tensor, err_ref: torch.Tensor, rows: torch.Tensor, code: str,
@@ -115,28 +130,22 @@ def _most_lenient(inputs: dict, state: torch.Tensor, err_ref: torch.Tensor, rows
     checkpoint is valid."""
     sub = {k: (v if k in POOL_CALL_ARGS else v[rows]) for k, v in inputs.items()}
     worst = err_ref[rows]
-    runs = [*orderings(code), _rounded_as(sub, code, {k: outputs[i][rows] for k, i in TOKEN_OUTPUTS.items()})]
-    for run in runs:
-        out = tuple(t.to(dt) for t, dt in zip(run(**sub), dtypes))
+    runs = _ordering_runs(sub, code)
+    candidate = {k: outputs[i][rows] for k, i in TOKEN_OUTPUTS.items()}
+    rounded = _rounded_as(code, candidate, [tokens for _, tokens in runs])(**sub)
+    for out in [*(out for out, _ in runs[1:]), rounded]:
+        out = tuple(t.to(dt) for t, dt in zip(out, dtypes))
         err = head_errors(out, state[rows])
         usable = ~invalid_heads(out) & torch.isfinite(err)
         worst = torch.where(usable, torch.maximum(worst, err), worst)
     return worst
 
 
-def _rounded_as(inputs: dict, code: str, candidate: dict) -> Callable:
+def _rounded_as(code: str, candidate: dict, fp32: list[dict]) -> Callable:
     """The reference's run that rounds each token entry as `candidate` (fp16 tokens by output name) did where that
     is the other fp16 neighbour of the reference's fp32 value and the value lies within the orderings' spread of
-    their midpoint (TOKEN_ROUNDING), to the nearest elsewhere."""
-    fp32 = []
-    for name, edits in [("reference", []), *ORDERINGS.items()]:
-        seen = {}
-        try:
-            run = ordering_run(code, edits, name, lambda k, v, seen=seen: seen.setdefault(k, v.float()).half())
-        except ValueError:
-            continue
-        run(**inputs)
-        fp32.append(seen)
+    their midpoint (TOKEN_ROUNDING), to the nearest elsewhere. fp32: the unrounded tokens of the reference and of its
+    orderings (_ordering_runs), the reference's first."""
     spread = {k: torch.stack([torch.nan_to_num((o[k] - fp32[0][k]).abs(), nan=0.0) for o in fp32]).amax(0)
               for k in candidate}
 
@@ -176,9 +185,10 @@ def judge(inputs: dict, outputs, reference_outputs, reference_code: str | None =
     failed verdict names the first failing head in its reason, the kind of failure in extra["failure"] and the
     head's index over the program axes in extra["program"]. With the definition's `reference_code`, a head over the
     ratio is measured again against the most lenient of the reference's equivalent orderings (ORDERINGS) and of the
-    reference rounding its tokens as the candidate did (TOKEN_ROUNDING) before it fails. yardstick: the outputs are the definition's reference's own (its code run as a solution, for its times):
-    on heads where the reference, run here, breaks (invalid_heads) it has no yardstick, so they are counted
-    (reference_broken_heads), not failed; a candidate's output is held to BROKEN_CAP there instead."""
+    reference rounding its tokens as the candidate did (TOKEN_ROUNDING) before it fails. yardstick: the outputs are
+    the definition's reference's own (its code run as a solution, for its times): on heads where the reference, run
+    here, breaks (invalid_heads) it has no yardstick, so they are counted (reference_broken_heads), not failed; a
+    candidate's output is held to BROKEN_CAP there instead."""
     names = ("codes_new", "s_k_new", "s_v_new", "u_new", "q_new")
     broken = invalid_heads(reference_outputs)
     exempt = broken if yardstick else torch.zeros_like(broken)
