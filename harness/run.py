@@ -162,18 +162,20 @@ class _Recorder:
 def _progress(solution: str, total: int, score_label: str):
     """One line per result, and on a terminal a progress bar (done / total, elapsed, estimated time left) beneath."""
     bar = tqdm(total=total, desc=solution, unit="workload", leave=False, disable=not sys.stdout.isatty())
-    said = set()
+    said, done = set(), 0
 
     def report(r: Result) -> None:
+        nonlocal done
+        done += 1                           # counted here: a disabled bar (not a terminal) counts nothing
         bar.update(1)
-        if bar.n >= total:
+        if done >= total:
             bar.close()
         if r.status == COMPILE_ERROR:       # the same load error for every workload: said once
             if r.solution in said:
                 return
             said.add(r.solution)
         score = r.verdict.score if r.verdict else None
-        tqdm.write(f"  [{r.solution} {bar.n}/{total}] {r.workload.label}: {r.status}"
+        tqdm.write(f"  [{r.solution} {done}/{total}] {r.workload.label}: {r.status}"
                    + (f" {score_label} {score:.4f}" if score is not None else "")
                    + (f" {r.latency_ms * 1e3:.1f} us" if r.latency_ms is not None else "")
                    + (f" ({one_line(r.log)})" if r.log else ""), file=sys.stdout)

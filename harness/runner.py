@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 
 from harness import HarnessError, one_line, sandbox, shared, timing, wire
 from harness.definition import Definition
@@ -29,7 +28,7 @@ from harness.ops import Verdict, load_op
 from harness.project import Settings
 from harness.records import EvaluationStatus
 from harness.solutions import Solution, is_reference, load_entry, null_solution
-from harness.workloads import Workload, generate_tensors, load_inputs
+from harness.workloads import Workload, generate_tensors, load_inputs, save_workload, save_workloads
 
 PASSED = EvaluationStatus.PASSED
 INCORRECT_SHAPE = EvaluationStatus.INCORRECT_SHAPE
@@ -564,11 +563,11 @@ def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_
     programs = Programs(defn, w, result.fresh_seed, device, settings.pool_programs if timed else 1)
     _judge_one(defn, op, worker, programs.first(), result, "fresh inputs: ")
     if result.status == PASSED and timed:
-        _time_one(defn, op, worker, pristine, programs, result, settings, calibration, failures)
+        _time_one(defn, op, worker, pristine, programs, result, settings, calibration, failures, root)
 
 
 def _timed_loop(defn, op, worker: Worker, pristine: dict, programs: Programs, result: Result, settings: Settings,
-               failures: Path | None) -> tuple[list[float] | None, dict | None]:
+               failures: Path | None, root) -> tuple[list[float] | None, dict | None]:
     """One timed loop (_timed_measure) on calls drawn from a schedule seed of its own, every call's outputs judged:
     (its latencies, its clock record), or (None, None) with the result's status and log set."""
     axes = defn.resolve_axes(result.workload.axes)
@@ -601,8 +600,7 @@ def _timed_loop(defn, op, worker: Worker, pristine: dict, programs: Programs, re
             if not verdict.passed:
                 # the schedule seed with the run seed (in the trace) rebuilds these calls' inputs on this device's
                 # generator (timing.draw_calls); the failing element's inputs are kept for any other machine
-                kept = _keep_failing_inputs(inputs, verdict, batched, failures,
-                                            f"{result.solution}_{result.workload.uuid[:8]}_{m.seed}")
+                kept = _keep_failing_inputs(defn, result, m.seed, inputs, verdict, batched, failures, root)
                 result.status, result.log = INCORRECT_NUMERICAL, f"timed calls {first}-{first + count - 1}: " \
                                                                  f"{verdict.reason} (schedule seed {m.seed}{kept})"
                 return None, None
@@ -612,21 +610,28 @@ def _timed_loop(defn, op, worker: Worker, pristine: dict, programs: Programs, re
                        "worker_loop_ms": loop_ms}
 
 
-def _keep_failing_inputs(inputs: dict, verdict: Verdict, batched, folder: Path | None, stem: str) -> str:
+def _keep_failing_inputs(defn: Definition, result: Result, schedule_seed: int, inputs: dict, verdict: Verdict,
+                         batched, folder: Path | None, root) -> str:
     """Write the inputs of the batch element that holds the verdict's failing program (extra["program"]) to
-    folder/stem.safetensors; what the log adds to say where ("" when there is nothing to keep)."""
+    folder as a one-line workload file and its blob (under root's relative path when inside root, so that another
+    checkout replays it); what the log adds to say where ("" when there is nothing to keep)."""
     program = verdict.extra.get("program")
     if folder is None or not program:
         return ""
     element = int(program[0])
-    kept = {k: (v[element:element + 1] if k in batched else v).detach().cpu().contiguous() for k, v in inputs.items()}
-    path = Path(folder) / f"{stem}.safetensors"
+    kept = {k: (v[element:element + 1] if k in batched else v).detach() for k, v in inputs.items()}
+    w = result.workload
+    stem = f"{result.solution}_{w.uuid[:8]}_{schedule_seed}"
+    blob, root = (Path(folder) / f"{stem}.safetensors").absolute(), Path(root).absolute()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(kept, str(path))
+        line = save_workload(defn, kept, w.family, {**w.axes, next(iter(defn.outputs.values())).shape[0]: 1},
+                             schedule_seed, (blob.relative_to(root) if blob.is_relative_to(root) else blob).as_posix(),
+                             root=root)
+        save_workloads(blob.with_suffix(".jsonl"), [line])
     except OSError as e:
         return f"; its inputs could not be kept: {e.strerror}"
-    return f"; element {element}'s inputs in {path}"
+    return (f"; element {element}'s inputs in {blob}, replay: python -m harness.run --solution {result.solution} "
+            f"--workloads {blob.with_suffix('.jsonl')}")
 
 
 def run_call(defn: Definition, worker: Worker, inputs: dict, axes: dict) -> tuple[str, str, tuple | None]:
@@ -680,7 +685,7 @@ def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: s
 
 
 def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, result: Result, settings: Settings,
-              calibration: Calibration, failures: Path | None = None) -> None:
+              calibration: Calibration, failures: Path | None, root) -> None:
     """Time the solution on fresh programs, judge every timed call's outputs, and refuse a median that the
     harness's clock (on settings.clock_attempts loops, each on calls of its own) or the memory floor contradicts."""
     axes = defn.resolve_axes(result.workload.axes)
@@ -688,7 +693,7 @@ def _time_one(defn, op, worker: Worker, pristine: dict, programs: Programs, resu
     null_wall, null_call = calibration.null_loop(axes, n_calls, programs.pool_programs)
     refusals = []
     for _ in range(settings.clock_attempts):
-        latencies, clock = _timed_loop(defn, op, worker, pristine, programs, result, settings, failures)
+        latencies, clock = _timed_loop(defn, op, worker, pristine, programs, result, settings, failures, root)
         if latencies is None:
             return
         clock.update(null_wall_ms=null_wall, null_call_ms=null_call,

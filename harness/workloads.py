@@ -84,7 +84,15 @@ def write_workload(defn: Definition, family: str, var_axes: dict[str, int], seed
                    params: dict | None = None, *, root: str | Path, device="cpu") -> Workload:
     """Generate the tensors of (family, var_axes, seed, params), write them to `blob` (relative to root, the
     project's root for a project's workloads) and return the workload line."""
-    tensors = generate_tensors(defn, family, var_axes, seed, device, params)
+    return save_workload(defn, generate_tensors(defn, family, var_axes, seed, device, params), family, var_axes,
+                         seed, blob, params, root=root)
+
+
+def save_workload(defn: Definition, tensors: dict, family: str, var_axes: dict[str, int], seed: int, blob: str,
+                  params: dict | None = None, *, root: str | Path) -> Workload:
+    """Write `tensors` to `blob` (relative to root) and return their workload line, recorded as drawn from
+    (family, var_axes, seed, params); a blob that is not that draw (inputs kept from a timed call) is replayed from
+    the file, its seed then only names where it came from."""
     path = Path(root) / blob
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(path))

@@ -1,5 +1,6 @@
 """The CLI as users call it: every solution folder passes every family on CPU, and bad input exits cleanly."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,9 @@ def test_solution_passes_every_family_on_cpu(name, defn, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.count(" PASSED ") >= 8, out
+    counts = re.findall(rf"^  \[{name} (\d+)/(\d+)\] ", out, re.M)      # each result line counts the run on
+    assert [int(done) for done, _ in counts] == list(range(1, len(counts) + 1)), out
+    assert {int(total) for _, total in counts} == {len(counts)}, out
 
 
 def test_failing_solution_exits_nonzero_and_others_still_run(tmp_project, capsys):

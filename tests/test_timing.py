@@ -16,7 +16,7 @@ from harness.ops import leapquant_kda_flush as op
 from harness.project import Settings
 from harness.traces import read_traces
 from harness.solutions import load_solution
-from harness.workloads import load_workloads, select
+from harness.workloads import load_inputs, load_workloads, select
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -512,10 +512,17 @@ def test_destination_passing_outputs_left_unwritten_in_the_timed_loop_fail(defn,
     [r] = _timed_on_cpu(defn, tmp_path, "lazy_dps", LAZY_DPS, cpu_timing, dps=True)
     assert r.status == runner.INCORRECT_NUMERICAL and "timed calls" in r.log, (r.status, r.log)
     # with the run seed, the schedule seed rebuilds the calls on this device; the failing element's inputs are kept
-    kept = re.search(r"\(schedule seed \d+; element \d+'s inputs in (\S+\.safetensors)\)$", r.log)
+    # as a workload that harness.run replays on any machine
+    kept = re.search(r"\(schedule seed \d+; element \d+'s inputs in (\S+\.safetensors), replay: python -m "
+                     r"harness\.run --solution lazy_dps --workloads (\S+\.jsonl)\)$", r.log)
     assert kept, r.log
     inputs = load_file(kept.group(1))
     assert set(inputs) == set(defn.inputs) and inputs["codes"].shape[0] == 1 and inputs["q0"].shape == (128, 4)
+    [line] = load_workloads(defn, kept.group(2))
+    assert (line.family, line.axes) == ("random", {"batch_size": 1})
+    assert all(torch.equal(inputs[k], v) for k, v in load_inputs(defn, line, root=PROJECT.root).items())
+    [replayed] = runner.evaluate(defn, load_solution("lazy_dps", defn, tmp_path), [line], "cpu", root=PROJECT.root)
+    assert replayed.status == runner.PASSED, replayed.log      # lazy only in a timed loop: its untimed call is honest
 
 
 @pytest.fixture(scope="module")
