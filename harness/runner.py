@@ -623,11 +623,12 @@ def _keep_failing_inputs(defn: Definition, result: Result, schedule_seed: int, i
     w = result.workload
     stem = f"{result.solution}_{w.uuid[:8]}_{schedule_seed}"
     blob, root = (Path(folder) / f"{stem}.safetensors").absolute(), Path(root).absolute()
+    if blob.is_relative_to(root):
+        blob = blob.relative_to(root)           # as the project's commands name it, from its root
     try:
         line = save_workload(defn, kept, w.family, {**w.axes, next(iter(defn.outputs.values())).shape[0]: 1},
-                             schedule_seed, (blob.relative_to(root) if blob.is_relative_to(root) else blob).as_posix(),
-                             root=root)
-        save_workloads(blob.with_suffix(".jsonl"), [line])
+                             schedule_seed, blob.as_posix(), root=root)
+        save_workloads(root / blob.with_suffix(".jsonl"), [line])
     except OSError as e:
         return f"; its inputs could not be kept: {e.strerror}"
     return (f"; element {element}'s inputs in {blob}, replay: python -m harness.run --solution {result.solution} "
