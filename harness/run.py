@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cli.add_traces(p, help="write FlashInfer-bench traces under DIR (default: the project's traces/ when timed on a "
                            "GPU; CPU runs write none unless given)")
     p.add_argument("--no-traces", action="store_true", help="write no traces")
+    p.add_argument("--save-outputs", metavar="DIR",
+                   help="write each solution's outputs on each workload's committed inputs to DIR/<solution>/<the "
+                        "workload blob's name> (safetensors, keyed by output name), to study a verdict beside the "
+                        "reference; not with --ray")
     p.add_argument("--seed", type=int, metavar="N",
                    help="judge on fresh inputs: the chosen workloads drawn anew from base seed N (blobs in a "
                         "temporary folder; the committed workloads are untouched); judged, not timed, no traces")
@@ -207,6 +211,9 @@ def execute(args: argparse.Namespace) -> int:
         if args.ray is not None:
             if args.seed is not None:
                 raise HarnessError("--ray with --seed: fresh workloads are drawn into a local folder; run --seed here")
+            if args.save_outputs is not None:
+                raise HarnessError("--ray with --save-outputs: outputs are written on the machine that judges them; "
+                                   "run --save-outputs here")
             from harness import cluster
             device, cluster_slots, cluster_env = cluster.connect(args.ray)
             slots = [None]
@@ -292,7 +299,8 @@ def execute(args: argparse.Namespace) -> int:
         if local:
             done = evaluate_over(slots, calibrations, defn, sol, todo, device, root=root, settings=settings,
                                  hide=(project.root,), timed=timed, run_seed=run_seed, keep_going=args.keep_going,
-                                 on_result=recorder, failures=project.stress_failures / "_timed_calls")
+                                 on_result=recorder, failures=project.stress_failures / "_timed_calls",
+                                 save_outputs=Path(args.save_outputs).absolute() if args.save_outputs else None)
         else:
             done = cluster.evaluate_on_cluster(cluster_slots, project, defn, sol, todo, device, workload_file,
                                                settings, run_seed, timed, args.keep_going, recorder)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import save_file
 
 from harness import HarnessError, one_line, sandbox, shared, timing, wire
 from harness.definition import Definition
@@ -483,14 +484,15 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
              on_result: Callable[[Result], None] = lambda r: None, timed: bool | None = None,
              run_seed: int | None = None, keep_going: bool = False,
              calibration: Calibration | None = None, gpu: int | None = None,
-             failures: Path | None = None) -> list[Result]:
+             failures: Path | None = None, save_outputs: Path | None = None) -> list[Result]:
     """Judge one solution on each workload, on its committed inputs and on fresh inputs drawn from `run_seed` (a
     fresh random seed when None); on a GPU, time the ones that pass on fresh inputs, every timed call judged, each
     against the memory floor at settings.bandwidth (bytes/s; measured now if not set). The blobs are under `root`;
     the solution's worker sees neither `root` nor the folders in `hide` (the project's). With `gpu` (a run over
     several GPUs, device "cuda"), this thread and the worker use that GPU alone. With `failures`, a timed call that
     fails leaves the inputs of its failing batch element there (they come from the device's generator under the
-    schedule seed, which may not exist elsewhere)."""
+    schedule seed, which may not exist elsewhere). With `save_outputs`, the solution's outputs on each workload's
+    committed inputs are written to save_outputs/<solution>/<the blob's name>, to study a verdict."""
     if gpu is not None and device == "cuda":
         torch.cuda.set_device(gpu)          # this thread's tensors, judge and clock on that GPU
     timed = device == "cuda" if timed is None else timed
@@ -517,7 +519,7 @@ def evaluate(defn: Definition, sol: Solution, workloads: list[Workload], device:
             else:
                 try:
                     _evaluate_one(defn, op, worker, w, device, root, run_seed, timed, settings, calibration, result,
-                                  failures)
+                                  failures, save_outputs)
                 except torch.OutOfMemoryError as e:     # the harness's own share (inputs, checks) did not fit
                     result.status, result.log = RUNTIME_ERROR, ("the harness ran out of device memory on this "
                                                                 f"workload: {str(e).splitlines()[0]}")[:400]
@@ -550,13 +552,19 @@ def _calibrate(defn, op, calibration: Calibration, workloads, device, root, sett
 
 
 def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_seed: int, timed: bool,
-                  settings: Settings, calibration, result: Result, failures: Path | None = None) -> None:
+                  settings: Settings, calibration, result: Result, failures: Path | None = None,
+                  save_outputs: Path | None = None) -> None:
     try:
         pristine = load_inputs(defn, w, device, root=root)
     except HarnessError as e:
         result.status, result.log = RUNTIME_ERROR, f"workload: {e}"
         return
-    _judge_one(defn, op, worker, pristine, result)
+    keep = None
+    if save_outputs is not None:
+        def keep(outputs, path=Path(save_outputs) / result.solution / Path(w.blob).name):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file({name: t.detach().cpu().contiguous() for name, t in zip(defn.outputs, outputs)}, str(path))
+    _judge_one(defn, op, worker, pristine, result, keep=keep)
     if result.status != PASSED:
         return
     result.fresh_seed = fresh_seed(run_seed, w)
@@ -665,19 +673,22 @@ def run_call(defn: Definition, worker: Worker, inputs: dict, axes: dict) -> tupl
         lent.close()
 
 
-def judge_call(defn, op, worker: Worker, inputs: dict, var_axes: dict) -> tuple[str, str, Verdict | None]:
+def judge_call(defn, op, worker: Worker, inputs: dict, var_axes: dict,
+               keep: Callable[[tuple], None] | None = None) -> tuple[str, str, Verdict | None]:
     """(status, log, verdict) of one call of the worker's solution on `inputs` (run_call), its outputs judged
-    against the reference run here."""
+    against the reference run here; `keep` is handed the outputs (checked, in definition order) first."""
     status, log, outputs = run_call(defn, worker, inputs, defn.resolve_axes(var_axes))
     if status != PASSED:
         return status, log, None
+    if keep is not None:
+        keep(outputs)
     verdict = op.judge(inputs, outputs, defn.reference_run()(**inputs), defn.reference,
                        yardstick=is_reference(worker.sol))
     return (PASSED, "", verdict) if verdict.passed else (INCORRECT_NUMERICAL, verdict.reason, verdict)
 
 
-def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: str = "") -> None:
-    status, log, verdict = judge_call(defn, op, worker, pristine, result.workload.axes)
+def _judge_one(defn, op, worker: Worker, pristine: dict, result: Result, what: str = "", keep=None) -> None:
+    status, log, verdict = judge_call(defn, op, worker, pristine, result.workload.axes, keep)
     if verdict is not None and (result.verdict is None or not verdict.passed
                                 or (verdict.score or 0) > (result.verdict.score or 0)):
         result.verdict = verdict            # the worse of the committed and the fresh inputs' verdicts

@@ -4,12 +4,13 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import DEFINITION, PROJECT, make_solution
 from harness import run
 from harness.ops import leapquant_kda_flush as op
 from harness.definition import find_definition
-from harness.solutions import discover, load_solution, source_sha256, unmet_needs
+from harness.solutions import discover, load_entry, load_solution, source_sha256, unmet_needs
 from harness.workloads import load_workloads, select
 
 SOLUTIONS = discover(find_definition(DEFINITION, PROJECT.definitions), PROJECT.solutions)
@@ -67,6 +68,24 @@ def test_cpu_run_writes_traces_when_asked(tmp_path, defn, capsys):
     assert run.main(["--solution", "torch_v1", "--device", "cpu", "--batch-sizes", "1", "--families", "random",
                      "--traces", str(tmp_path)]) == 2                        # refused before anything runs
     assert "torch_v1.jsonl:1: field 'evaluation.status'" in capsys.readouterr().err
+
+
+def test_save_outputs_writes_what_the_solution_returned_on_each_workload(tmp_path, defn, capsys):
+    from safetensors.torch import load_file
+
+    from harness.workloads import load_inputs
+    assert run.main(["--solution", "torch_v1", "--device", "cpu", "--batch-sizes", "1", "--families", "random,edge",
+                     "--no-traces", "--save-outputs", str(tmp_path)]) == 0
+    saved = sorted(p.name for p in (tmp_path / "torch_v1").iterdir())
+    assert saved == ["edge_batch_size1.safetensors", "random_batch_size1.safetensors"], saved
+    [w] = select(load_workloads(defn, PROJECT.workload_file(defn)), [1], ["edge"])
+    inputs = load_inputs(defn, w, root=PROJECT.root)
+    outputs = load_file(tmp_path / "torch_v1" / "edge_batch_size1.safetensors")
+    assert set(outputs) == set(defn.outputs)
+    direct = load_entry(load_solution("torch_v1", defn, PROJECT.solutions), defn)(inputs, defn.resolve_axes(w.axes))
+    assert all(torch.equal(outputs[name], t) for name, t in zip(defn.outputs, direct))
+    assert run.main(["--solution", "torch_v1", "--ray", "auto", "--save-outputs", str(tmp_path)]) == 2
+    assert "--ray with --save-outputs" in capsys.readouterr().err
 
 
 def test_a_run_writes_each_trace_as_its_workload_finishes(tmp_path, monkeypatch):
