@@ -221,6 +221,11 @@ def execute(args: argparse.Namespace) -> int:
             device, slots = resolve_devices(args.devices)
         else:
             device, slots = resolve_device(args.device), [None]
+        if args.save_outputs is not None:
+            try:
+                Path(args.save_outputs).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise HarnessError(f"--save-outputs {args.save_outputs}: {e.strerror}") from None
         project = cli.project_of(args)
         competition = load_competition(project)
         settings = cli.settings_of(args, competition)

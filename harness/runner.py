@@ -562,8 +562,11 @@ def _evaluate_one(defn, op, worker: Worker, w: Workload, device: str, root, run_
     keep = None
     if save_outputs is not None:
         def keep(outputs, path=Path(save_outputs) / result.solution / Path(w.blob).name):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({name: t.detach().cpu().contiguous() for name, t in zip(defn.outputs, outputs)}, str(path))
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_file({name: t.detach().cpu().contiguous() for name, t in zip(defn.outputs, outputs)}, str(path))
+            except OSError as e:            # the verdict stands; only the copy for study is lost
+                result.log = f"outputs not saved: {path}: {e.strerror}"
     _judge_one(defn, op, worker, pristine, result, keep=keep)
     if result.status != PASSED:
         return

@@ -86,6 +86,9 @@ def test_save_outputs_writes_what_the_solution_returned_on_each_workload(tmp_pat
     assert all(torch.equal(outputs[name], t) for name, t in zip(defn.outputs, direct))
     assert run.main(["--solution", "torch_v1", "--ray", "auto", "--save-outputs", str(tmp_path)]) == 2
     assert "--ray with --save-outputs" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert run.main(["--solution", "torch_v1", "--device", "cpu", "--save-outputs", str(tmp_path / "a_file")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --save-outputs {tmp_path / 'a_file'}: ")
 
 
 def test_a_run_writes_each_trace_as_its_workload_finishes(tmp_path, monkeypatch):

@@ -58,7 +58,8 @@ DEPENDENT_FP64 = 2.0 ** -40
 ORDERINGS["exact: fp64, a dependent column a zero token"] = [*ORDERINGS["fp64 up to the fp16 tokens"], (
     "def _mgs(m):", "def _mgs(m, bound):"), (
     "qk = _mgs(x @ q0.double())", "qk = _mgs(x @ q0.double(), x.abs() @ q0.double().abs())"), (
-    "qv = _mgs(x.transpose(-1, -2) @ qk)", "qv = _mgs(x.transpose(-1, -2) @ qk, x.transpose(-1, -2).abs() @ qk.abs())"), (
+    "qv = _mgs(x.transpose(-1, -2) @ qk)",
+    "qv = _mgs(x.transpose(-1, -2) @ qk, x.transpose(-1, -2).abs() @ qk.abs())"), (
     "        v = m[..., j]\n"
     "        for _ in range(2):\n"
     "            for c in cols:\n"
@@ -68,7 +69,8 @@ ORDERINGS["exact: fp64, a dependent column a zero token"] = [*ORDERINGS["fp64 up
     "        for _ in range(2):\n"
     "            for c in cols:\n"
     "                v = v - c * (c * v).sum(-1, keepdim=True)\n"
-    f"        dependent = v.norm(dim=-1, keepdim=True) <= bound[..., j].norm(dim=-1, keepdim=True) * {DEPENDENT_FP64!r}\n"
+    "        magnitude = bound[..., j].norm(dim=-1, keepdim=True)\n"
+    f"        dependent = v.norm(dim=-1, keepdim=True) <= magnitude * {DEPENDENT_FP64!r}\n"
     "        cols.append(torch.where(dependent, 0.0, v / v.norm(dim=-1, keepdim=True).clamp_min(1e-30)))")]
 
 
