@@ -29,7 +29,7 @@ from harness.ops import Verdict, load_op
 from harness.project import Settings
 from harness.records import EvaluationStatus
 from harness.solutions import Solution, is_reference, load_entry, null_solution
-from harness.workloads import Workload, generate_tensors, load_inputs, save_workload, save_workloads
+from harness.workloads import Workload, generate_tensors, load_inputs, write_reproducer
 
 PASSED = EvaluationStatus.PASSED
 INCORRECT_SHAPE = EvaluationStatus.INCORRECT_SHAPE
@@ -623,27 +623,26 @@ def _timed_loop(defn, op, worker: Worker, pristine: dict, programs: Programs, re
 
 def _keep_failing_inputs(defn: Definition, result: Result, schedule_seed: int, inputs: dict, verdict: Verdict,
                          batched, folder: Path | None, root) -> str:
-    """Write the inputs of the batch element that holds the verdict's failing program (extra["program"]) to
-    folder as a one-line workload file and its blob (under root's relative path when inside root, so that another
-    checkout replays it); what the log adds to say where ("" when there is nothing to keep)."""
+    """Write the inputs of the batch element that holds the verdict's failing program (extra["program"]) to folder
+    as a reproducer workload (workloads.write_reproducer); what the log adds to say where ("" when there is nothing
+    to keep)."""
     program = verdict.extra.get("program")
     if folder is None or not program:
         return ""
     element = int(program[0])
     kept = {k: (v[element:element + 1] if k in batched else v).detach() for k, v in inputs.items()}
     w = result.workload
-    stem = f"{result.solution}_{w.uuid[:8]}_{schedule_seed}"
-    blob, root = (Path(folder) / f"{stem}.safetensors").absolute(), Path(root).absolute()
-    if blob.is_relative_to(root):
-        blob = blob.relative_to(root)           # as the project's commands name it, from its root
     try:
-        line = save_workload(defn, kept, w.family, {**w.axes, next(iter(defn.outputs.values())).shape[0]: 1},
-                             schedule_seed, blob.as_posix(), root=root)
-        save_workloads(root / blob.with_suffix(".jsonl"), [line])
+        path = write_reproducer(defn, folder, f"{result.solution}_{w.uuid[:8]}_{schedule_seed}", w.family,
+                                {**w.axes, next(iter(defn.outputs.values())).shape[0]: 1}, schedule_seed, root=root,
+                                tensors=kept)
     except OSError as e:
         return f"; its inputs could not be kept: {e.strerror}"
-    return (f"; element {element}'s inputs in {blob}, replay: python -m harness.run --solution {result.solution} "
-            f"--workloads {blob.with_suffix('.jsonl')}")
+    root = Path(root).resolve()
+    if path.resolve().is_relative_to(root):
+        path = path.resolve().relative_to(root)         # as the project's commands name it, from its root
+    return (f"; element {element}'s inputs in {path.with_suffix('.safetensors')}, replay: python -m harness.run "
+            f"--solution {result.solution} --workloads {path}")
 
 
 def run_call(defn: Definition, worker: Worker, inputs: dict, axes: dict) -> tuple[str, str, tuple | None]:

@@ -39,7 +39,7 @@ from harness.project import Project, write_file
 from harness.records import StressRecord
 from harness.runner import COMPILE_ERROR, PASSED, Worker, judge_call, program_layout
 from harness.solutions import load_solution
-from harness.workloads import Workload, generate_tensors, load_inputs, load_workloads, save_workloads, write_workload
+from harness.workloads import Workload, generate_tensors, load_inputs, load_workloads, write_reproducer
 
 DEFAULT_EXAMPLES = 100
 DRAWN_SHARE = 4            # a search that finds nothing tries 1 / DRAWN_SHARE as many examples more, drawn (`run`)
@@ -208,15 +208,8 @@ class Search:
         params = params_of(self.op, failure.example)
         seed = self.values_seed(failure.example)
         digest = hashlib.sha256(json.dumps([params, seed], sort_keys=True).encode()).hexdigest()
-        stem = f"{self.op.STRESS_FAMILY}_{digest[:12]}"
-        blob = Path(folder).resolve() / f"{stem}.safetensors"
-        if blob.is_relative_to(self.project.root):
-            blob = blob.relative_to(self.project.root)
-        workload = write_workload(self.defn, self.op.STRESS_FAMILY, var_axes(failure.example), seed,
-                                  blob.as_posix(), params, root=self.project.root)
-        path = folder / f"{stem}.jsonl"
-        save_workloads(path, [workload])
-        return path
+        return write_reproducer(self.defn, folder, f"{self.op.STRESS_FAMILY}_{digest[:12]}", self.op.STRESS_FAMILY,
+                                var_axes(failure.example), seed, params, root=self.project.root)
 
 
 def project_path(project, path: Path) -> str:

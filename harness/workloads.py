@@ -102,6 +102,22 @@ def save_workload(defn: Definition, tensors: dict, family: str, var_axes: dict[s
     return Workload(defn.name, uid, dict(var_axes), inputs, family, seed, content_sha256(tensors), dict(params or {}))
 
 
+def write_reproducer(defn: Definition, folder: str | Path, stem: str, family: str, var_axes: dict[str, int], seed: int,
+                     params: dict | None = None, *, root: str | Path, tensors: dict | None = None) -> Path:
+    """Write a one-line workload file folder/stem.jsonl, and its blob beside it, that `harness.run --workloads`
+    replays; its path. The blob holds `tensors`, else the family's draw of (var_axes, seed, params); the line names
+    it relative to root (the project's, as harness.run reads it) when inside it, absolutely outside it."""
+    root = Path(root).resolve()
+    blob = Path(folder).resolve() / f"{stem}.safetensors"
+    if blob.is_relative_to(root):
+        blob = blob.relative_to(root)
+    if tensors is None:
+        tensors = generate_tensors(defn, family, var_axes, seed, "cpu", params)
+    path = Path(folder) / f"{stem}.jsonl"
+    save_workloads(path, [save_workload(defn, tensors, family, var_axes, seed, blob.as_posix(), params, root=root)])
+    return path
+
+
 def generate_tensors(defn: Definition, family: str, var_axes: dict, seed: int, device="cpu",
                      params: dict | None = None) -> dict:
     axes = defn.resolve_axes(var_axes)
