@@ -113,6 +113,20 @@ def _wdot(x, y):
 
 
 @gluon.jit
+def _inv_norm(v, nn):
+    """1 / ||v|| from nn ~ ||v||^2, 0 for a zero column. gl.rsqrt is rsqrt.approx.ftz, which reads a subnormal nn as
+    0 (a column whose remainder is ~1e-21, a near-zero row of the state met by a one-hot q0, would then be scaled by
+    the reference's 1e30 clamp and overflow the tokens), and a subnormal sum of squares keeps few bits: below 2^-64
+    the norm is measured again on the column scaled by 2^64 (exact). Uniform: every thread holds the same sums."""
+    inv = gl.rsqrt(nn)
+    if nn < 5.421010862427522e-20:                           # 2^-64
+        w = v * 18446744073709551616.0
+        ww = _wdot(w, w)
+        inv = gl.where(ww > 0, gl.rsqrt(ww) * 18446744073709551616.0, 0.0)
+    return inv
+
+
+@gluon.jit
 def _cgs2_column(a, r, J: gl.constexpr):
     """Column J of CGS2 on the tuple a of 4 GS vectors (columns < J final); r[p] = c_p . a_J for p < J. One round of
     warp sums holds the second-pass dots d_p = c_p . v of the first-pass vector v, its squared norm, and e = v . a_J+1,
@@ -135,7 +149,7 @@ def _cgs2_column(a, r, J: gl.constexpr):
     for p in gl.static_range(J):
         v = v - a[p] * d[p]
         nn = nn - d[p] * d[p]
-    inv = gl.minimum(gl.rsqrt(nn), 1e30)         # 1 / max(||c_J||, 1e-30), the reference's clamp
+    inv = _inv_norm(v, nn)
     if J > 0:
         # The second pass left under 1% of the column: nearly inside the span of the earlier columns, where the
         # projections' own rounding can still lie along them; a third pass restores orthogonality (a hot-row rank-1
@@ -156,7 +170,7 @@ def _cgs2_column(a, r, J: gl.constexpr):
         # state): the column becomes zero, a zero token, rather than normalised rounding (whose direction can lie
         # along an earlier column and whose squared norm can flush to zero)
         dependent = ~(nn > DEPENDENT_NORM2 * s0)
-        inv = gl.where(dependent, 0.0, gl.minimum(gl.rsqrt(nn), 1e30))
+        inv = gl.where(dependent, 0.0, _inv_norm(v, nn))
     c = v * inv
     if J == 0:
         a = (c, a[1], a[2], a[3])
@@ -177,7 +191,8 @@ def _cgs2_column(a, r, J: gl.constexpr):
 def _cgs2(a0, a1, a2, a3):
     """Orthonormal columns of [a0 .. a3] (GS vectors): classical Gram-Schmidt with one reorthogonalisation (as
     accurate as the reference's MGS2), a third pass where the second leaves under 1%, dependent columns zero, the
-    norm clamped at 1e-30 as in the reference. Four rounds of warp sums instead of MGS2's sixteen."""
+    norm of a tiny column measured on it scaled up (_inv_norm). Four rounds of warp sums instead of MGS2's
+    sixteen."""
     a = (a0, a1, a2, a3)
     a, r = _cgs2_column(a, (), 0)
     a, r = _cgs2_column(a, r, 1)

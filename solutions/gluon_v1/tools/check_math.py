@@ -67,6 +67,21 @@ def mgs2_ref(m):
     return torch.stack(cols, -1)
 
 
+def rsqrt_ftz(x):
+    """rsqrt.approx.ftz.f32, gl.rsqrt's instruction: a subnormal input reads as 0 (its approximation error aside)."""
+    return torch.rsqrt(torch.where(x.abs() < 2.0 ** -126, torch.zeros_like(x), x))
+
+
+def inv_norm(v, nn):
+    """kernel.py's _inv_norm."""
+    inv = rsqrt_ftz(nn)
+    if bool(nn < 2.0 ** -64):
+        w = v * 2.0 ** 64
+        ww = (w * w).sum()
+        inv = rsqrt_ftz(ww) * 2.0 ** 64 if bool(ww > 0) else torch.tensor(0.0)
+    return inv
+
+
 def cgs2_kernel(a):
     """kernel.py's _cgs2 on one [128, 4] fp32 matrix (scalars as 0-d tensors, fp32 throughout)."""
     a = [a[:, j].clone() for j in range(4)]
@@ -86,7 +101,7 @@ def cgs2_kernel(a):
         for p in range(J):
             v = v - a[p] * d[p]
             nn = nn - d[p] * d[p]
-        inv = torch.minimum(torch.rsqrt(nn), torch.tensor(1e30))
+        inv = inv_norm(v, nn)
         if J > 0:
             if not bool(nn > 1e-4 * s0):
                 t0 = dot(v, v)
@@ -98,7 +113,7 @@ def cgs2_kernel(a):
                     if nxt:
                         e = e - t[p] * f[p]
             dependent = not bool(nn > 2.0 ** -24 * s0)
-            inv = torch.tensor(0.0) if dependent else torch.minimum(torch.rsqrt(nn), torch.tensor(1e30))
+            inv = torch.tensor(0.0) if dependent else inv_norm(v, nn)
         a[J] = v * inv
         if nxt:
             for p in range(J):
@@ -121,6 +136,10 @@ def check_cgs2(gen):
     cases["hot row"] = hot
     cases["rank 1, hot row"] = (x * torch.where(torch.arange(128) == 7, 1e3, 1.0))[:, None] \
         * torch.randn(1, 4, generator=gen)
+    # a column whose squares are subnormal beside normal ones (a near-zero row of the state met by a one-hot q0)
+    subnormal = torch.randn(128, 4, generator=gen) * 1e-6
+    subnormal[:, 1] = torch.randn(128, generator=gen) * 1e-21
+    cases["a column at 1e-21"] = subnormal
     exact_rank = {"zero": 0, "rank 1": 1, "rank 2": 2, "rank 1, hot row": 1}
     for name, m in cases.items():
         c = cgs2_kernel(m.float())
