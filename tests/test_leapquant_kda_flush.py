@@ -1,5 +1,7 @@
 """The operator module: families inside the domain and reproducible, and the criterion rejecting planted wrong
 variants with the right reason."""
+import math
+
 import pytest
 import torch
 
@@ -363,6 +365,30 @@ def test_a_head_where_the_tokens_fp16_rounding_decides_is_measured_against_the_r
     monkeypatch.setattr(criterion, "_rounded_as", lambda code, candidate, fp32, bound: defn.reference_run())
     verdict = op.judge(x, out, ref, defn.reference)
     assert not verdict.passed and 1.01 < verdict.score < 1.02, verdict.reason
+
+
+def test_the_orderings_by_symmetry_are_the_same_flush_summed_in_other_orders(defn):
+    """The reference on inputs with permuted value and key axes, its outputs permuted back: on fresh random heads
+    under 1% of the token entries round otherwise than the reference's, by at most a few fp16 units, and the errors
+    agree within 0.5%; the unrounded tokens kept for the rounding rule are the outputs' (in the reference's
+    coordinates). A permutation left unmapped would move every entry."""
+    from harness.ops.leapquant_kda_flush import criterion
+    x = op.make_inputs("random", axes_for(defn, 1), 9_301)
+    state = op.exact_state(x)
+    runs = criterion._ordering_runs(x, defn.reference)
+    permuted = runs[len(runs) - criterion.PERMUTED_ORDERINGS:]
+    assert len(permuted) == criterion.PERMUTED_ORDERINGS >= 2
+    reference_error = criterion.head_errors(runs[0][0], state)
+    for out, fp32 in permuted:
+        for name, i in criterion.TOKEN_OUTPUTS.items():
+            assert torch.equal(fp32[name].half(), out[i])
+            unit = (torch.nextafter(runs[0][0][i], runs[0][0][i].new_tensor(math.inf)).float()
+                    - runs[0][0][i].float()).abs()
+            units = (out[i].float() - runs[0][0][i].float()).abs() / unit
+            assert float(units.max()) <= 4 and float((units > 0).float().mean()) < 0.01, name
+        ratio = criterion.head_errors(out, state) / reference_error
+        assert float((ratio - 1).abs().max()) < 5e-3
+    assert any(not torch.equal(out[3], runs[0][0][3]) for out, _ in permuted)      # other orders, other roundings
 
 
 def test_a_head_whose_error_turns_on_one_token_entry_passes_tokens_summed_in_any_fp32_order(defn):
