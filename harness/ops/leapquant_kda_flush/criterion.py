@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from harness.ops import Verdict
-from harness.ops.leapquant_kda_flush.exact import decode_checkpoint, exact_state, mgs2, served_checkpoint
+from harness.ops.leapquant_kda_flush.exact import decode_checkpoint, exact_state, served_checkpoint, subspace_fp64
 from harness.ops.leapquant_kda_flush.layout import CHECKPOINT, POOL_CALL_ARGS, QMAX
 from harness.ops.leapquant_kda_flush.symmetries import apply_variant
 
@@ -195,9 +195,7 @@ def _token_bound(state: torch.Tensor, q0: torch.Tensor) -> dict:
     dot product of length V; q_new[r, v] = qv[v, r] is the Gram-Schmidt remainder of z = S qk, a dot product of length
     K, divided by the remainder's norm (zero where the column is dependent)."""
     x = state.transpose(-1, -2)
-    qk = mgs2(x @ q0.double())
-    z = state @ qk
-    qv = mgs2(z)
+    qk, z, qv = subspace_fp64(state, q0)
     remainder = (qv * z).sum(-2).abs()                                  # |R_rr| of z = qv R
     unit = TOKEN_LAMBDA * 2.0 ** -24
     u = unit * math.sqrt(state.shape[-2]) * (x.abs() @ qv.abs())

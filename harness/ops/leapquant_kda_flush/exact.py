@@ -63,6 +63,14 @@ def mgs2(m: torch.Tensor) -> torch.Tensor:
     return torch.stack(cols, -1)
 
 
+def subspace_fp64(s: torch.Tensor, q0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference's round of subspace iteration on an fp64 state s [.., V, K], in a fixed order: (qk, z, qv) with
+    qk = MGS2(S^T q0) [.., K, R], z = S qk [.., V, R], qv = MGS2(z)."""
+    qk = mgs2(ordered_matmul(s.transpose(-1, -2), q0.double()))
+    z = ordered_matmul(s, qk)
+    return qk, z, mgs2(z)
+
+
 def flush_fp64(inputs: dict, q0: torch.Tensor) -> dict:
     """The reference's flush evaluated in fp64 in a fixed order: the checkpoint feedback of the `second_window` and
     `trajectory` families."""
@@ -74,8 +82,7 @@ def flush_fp64(inputs: dict, q0: torch.Tensor) -> dict:
     uw = (x["ubuf"] * x["w"][..., None]).transpose(-1, -2)                  # [.., V, L]
     s = old * decay[..., None, :] + ordered_matmul(uw, kd.transpose(-1, -2))
     st = s.transpose(-1, -2)
-    qk = mgs2(ordered_matmul(st, q0.double()))
-    qv = mgs2(ordered_matmul(s, qk))
+    _, _, qv = subspace_fp64(s, q0)
     uk = ordered_matmul(st, qv)
     u_new, q_new = uk.transpose(-1, -2).half(), qv.transpose(-1, -2).half()
     e = s - ordered_matmul(q_new.double().transpose(-1, -2), u_new.double())
